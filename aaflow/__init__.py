@@ -1,0 +1,45 @@
+"""aaflow: a distributed KV-state workflow runtime for multi-agent LLM systems.
+
+This module is a thin facade: names are imported lazily on first use so that
+`import aaflow` stays cheap and creates no import cycles.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Engine": "aaflow.engine",
+    "GenerationOutput": "aaflow.engine",
+    "KVExport": "aaflow.engine",
+    "fetch_model": "aaflow.models",
+    "AAFlowError": "aaflow.errors",
+    "ModelNotFoundError": "aaflow.errors",
+    "ModelFetchError": "aaflow.errors",
+    "UnsupportedModelError": "aaflow.errors",
+    "PromptError": "aaflow.errors",
+    "SamplingError": "aaflow.errors",
+    "SequenceError": "aaflow.errors",
+    "KVCapacityError": "aaflow.errors",
+    "KVImportError": "aaflow.errors",
+    "ModelMismatchError": "aaflow.errors",
+    "KVTransferError": "aaflow.errors",
+    "WorkflowError": "aaflow.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'aaflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

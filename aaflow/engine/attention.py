@@ -1,0 +1,77 @@
+"""Attention over the paged KV cache: write the new K/V to their slots, attend over the context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from aaflow.engine.kv_cache import PagedKVCache
+
+
+@dataclass
+class AttentionBatch:
+    """What every layer needs to place and read K/V for one forward pass.
+
+    The pass computes `batch * q_len` new tokens: one sequence's chunk (prefill, batch=1) or
+    one token for each of `batch` sequences (decode, q_len=1).
+    """
+
+    batch: int
+    q_len: int
+    write_slots: torch.Tensor  # [batch * q_len] where each new token's K/V goes
+    read_slots: torch.Tensor | None  # [batch, ctx_len] slots of each full context; None: only the new tokens
+    mask: torch.Tensor | None  # bool [batch, 1, q_len, ctx_len], True = may attend; None = see is_causal
+    is_causal: bool  # plain causal attention among the new tokens (a fresh prefill)
+
+    @classmethod
+    def prefill(cls, write_slots: torch.Tensor, context_slots: torch.Tensor, start: int) -> "AttentionBatch":
+        """One sequence: new tokens at positions [start, start + T) over context slots [start + T]."""
+        q_len = write_slots.numel()
+        if start == 0:
+            return cls(1, q_len, write_slots, None, None, True)
+        ctx = context_slots.numel()
+        # query i (position start + i) sees keys 0..start + i
+        mask = torch.arange(ctx)[None, :] <= (start + torch.arange(q_len))[:, None]  # [T, ctx]
+        return cls(1, q_len, write_slots, context_slots[None, :], mask[None, None], False)
+
+    @classmethod
+    def decode(cls, write_slots: torch.Tensor, context_slots: list[torch.Tensor]) -> "AttentionBatch":
+        """One new token per sequence; context_slots[b]: [len_b] including the new token."""
+        lengths = torch.tensor([c.numel() for c in context_slots])
+        ctx = int(lengths.max())
+        padded = torch.zeros(len(context_slots), ctx, dtype=torch.long)  # pad with slot 0 (masked out)
+        for b, slots in enumerate(context_slots):
+            padded[b, : slots.numel()] = slots
+        mask = None
+        if bool((lengths != ctx).any()):
+            mask = (torch.arange(ctx)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
+        return cls(len(context_slots), 1, write_slots, padded, mask, False)
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,  # [T, H, D], T = batch * q_len
+    k: torch.Tensor,  # [T, Hkv, D] (already rotated)
+    v: torch.Tensor,  # [T, Hkv, D]
+    cache: PagedKVCache,
+    batch: AttentionBatch,
+) -> torch.Tensor:  # [T, H * D]
+    cache.write(layer, batch.write_slots, k, v)
+    B, S = batch.batch, batch.q_len
+    heads, dim = q.shape[1], q.shape[2]
+    qh = q.view(B, S, heads, dim).transpose(1, 2)  # [B, H, S, D]
+    if batch.read_slots is None:
+        kh = k.view(B, S, -1, dim).transpose(1, 2)  # [B, Hkv, S, D]
+        vh = v.view(B, S, -1, dim).transpose(1, 2)
+    else:
+        k_cache, v_cache = cache.layer(layer)
+        flat = batch.read_slots.reshape(-1)
+        ctx = batch.read_slots.shape[1]
+        kh = k_cache.index_select(0, flat).view(B, ctx, -1, dim).transpose(1, 2)  # [B, Hkv, ctx, D]
+        vh = v_cache.index_select(0, flat).view(B, ctx, -1, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=batch.mask, is_causal=batch.is_causal, enable_gqa=True
+    )  # [B, H, S, D]
+    return out.transpose(1, 2).reshape(B * S, heads * dim)

@@ -1,0 +1,185 @@
+"""The built-in engine: a Llama-family model, its tokenizer and a paged KV pool, in one process."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from aaflow.engine.config import ModelConfig
+from aaflow.engine.fingerprint import model_fingerprint, weights_digest
+from aaflow.engine.kv_cache import KVLayout
+from aaflow.engine.model import LlamaModel
+from aaflow.engine.outputs import GenerationOutput
+from aaflow.engine.runner import KVRunner
+from aaflow.engine.sampling import SamplingParams
+from aaflow.engine.sequence import KVExport
+from aaflow.engine.weights import load_weights
+from aaflow.errors import ModelNotFoundError, PromptError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+
+
+class Engine:
+    """A model replica's compute: prefill, decode, and the KV pool they share.
+
+    Build one with `Engine.from_pretrained`. Not thread-safe: one caller at a time.
+    """
+
+    def __init__(self, model_path: Path, config: ModelConfig, dtype: torch.dtype, tokenizer,
+                 runner: KVRunner) -> None:
+        self.model_path = model_path
+        self.config = config
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.runner = runner
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_folder: str | os.PathLike,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        prefix_caching: bool = True,
+        threads: int | None = None,
+    ) -> "Engine":
+        """Load a registered model (e.g. "smollm2", fetched on first use) or a Hugging Face folder.
+
+        Args:
+            dtype: "float32", "bfloat16" or "float16" for weights and KV.
+            block_size: tokens per KV block.
+            num_blocks: pool size in blocks; default: as many as fit in `kv_cache_bytes`.
+            prefix_caching: reuse full blocks of earlier prompts with the same prefix.
+            threads: torch intra-op threads (process-wide); None leaves torch's setting.
+        """
+        from aaflow.models import resolve_model_path
+        from transformers import AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if threads is not None:
+            torch.set_num_threads(threads)
+        folder = resolve_model_path(name_or_folder)
+        config = ModelConfig.from_folder(folder)
+        torch_dtype = DTYPES[dtype]
+        weights = load_weights(folder, config, torch_dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as exc:
+            raise ModelNotFoundError(f"{folder}: tokenizer cannot be loaded ({exc})") from exc
+        dtype_bytes = torch.empty((), dtype=torch_dtype).element_size()
+        if num_blocks is None:
+            num_blocks = max(1, kv_cache_bytes // (config.kv_bytes_per_token(dtype_bytes) * block_size))
+        layout = KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch_dtype)
+        model = LlamaModel(config, weights, torch_dtype)
+        fingerprint = model_fingerprint(config, torch_dtype, weights_digest(folder))
+        return cls(folder, config, torch_dtype, tokenizer, KVRunner(model, layout, fingerprint, prefix_caching))
+
+    # --- identity -------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """Model fingerprint (architecture, shapes, RoPE, dtype, sha256 of the weights files)."""
+        return self.runner.fingerprint
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.runner.layout
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.runner.model.weights.nbytes()
+
+    # --- text -----------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def decode_text(self, token_ids: Seq[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt(self, user: str, system: str | None = None) -> str:
+        """The model's chat template applied to one user turn, ready for generation."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt) if prompt else []
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        if not ids:
+            raise PromptError("the prompt is empty: give at least one token of text")
+        return ids
+
+    # --- KV protocol (what operators and replicas build on) --------------------------------
+    def new_sequence(self) -> int:
+        return self.runner.new_sequence()
+
+    def prefill(self, seq_id: int, token_ids: Seq[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Append tokens to a sequence (incremental prefill); returns the last token's logits [vocab]."""
+        return self.runner.prefill(seq_id, list(token_ids), chunk_size)
+
+    def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+        """One token for each sequence in one batched pass; returns logits [B, vocab]."""
+        return self.runner.decode(seq_ids, token_ids)
+
+    def fork(self, seq_id: int) -> int:
+        return self.runner.fork(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        self.runner.free(seq_id)
+
+    def sequence_tokens(self, seq_id: int) -> list[int]:
+        return list(self.runner.get(seq_id).token_ids)
+
+    def export_kv(self, seq_id: int) -> KVExport:
+        return self.runner.export_kv(seq_id)
+
+    def import_kv(self, export: KVExport) -> int:
+        return self.runner.import_kv(export)
+
+    def stats(self):
+        """Blocks used / free / cached and tokens computed vs reused (a `BlockStats`)."""
+        return self.runner.stats()
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, prompt: str | Seq[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, stop: Seq[str] | None = None,
+                 ignore_eos: bool = False, chunk_size: int | None = None) -> GenerationOutput:
+        """Generate from a prompt (text, encoded with the tokenizer's special tokens, or token ids).
+
+        Greedy by default. The sequence is freed afterwards; its full blocks stay in the prefix cache.
+        """
+        params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()), ignore_eos)
+        return self.generate_batch([prompt], params, chunk_size=chunk_size)[0]
+
+    def generate_batch(self, prompts: Seq[str | Seq[int]], params: SamplingParams | None = None,
+                       chunk_size: int | None = None, seq_ids: list[int] | None = None,
+                       keep: bool = False) -> list[GenerationOutput]:
+        """Prefill each prompt, then decode all of them together in batched steps.
+
+        With `seq_ids`, each prompt is appended to that existing sequence (continuation).
+        With `keep`, sequences are not freed and each output's `seq_id` names its sequence.
+        """
+        from aaflow.engine.generation import run_generation
+
+        params = params or SamplingParams()
+        start = time.perf_counter()
+        ids = [self._prompt_ids(p) for p in prompts]
+        own = seq_ids is None
+        seq_ids = [self.new_sequence() for _ in ids] if own else list(seq_ids)
+        try:
+            return run_generation(self, seq_ids, ids, params, chunk_size, start, keep)
+        finally:
+            if own and not keep:
+                for s in seq_ids:
+                    if s in self.runner.sequences:
+                        self.free(s)

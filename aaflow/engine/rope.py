@@ -1,0 +1,52 @@
+"""Rotary position embeddings (RoPE) with the scaling types the engine supports."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aaflow.engine.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The RoPE inverse frequencies, float32 [head_dim // 2], after the model's scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(config.rope_scaling)
+    if config.rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif config.rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: dict[str, float]) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_context = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryTable:
+    """Precomputed cos/sin for every position, applied to q/k in the non-interleaved (HF) layout."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inverse_frequencies(config)[None, :]  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos = emb.cos().to(dtype)
+        self.sin = emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D], positions: [T] -> x rotated to its positions, [T, H, D]."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

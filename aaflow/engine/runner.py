@@ -1,0 +1,212 @@
+"""Sequences on the paged KV pool: prefill (one pass or chunked), batched decode, fork, export/import.
+
+This is the engine's KV protocol; `Engine` adds tokenization and generation on top.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from aaflow.engine.attention import AttentionBatch
+from aaflow.engine.block_manager import BlockManager, BlockStats
+from aaflow.engine.kv_cache import KVLayout, PagedKVCache
+from aaflow.engine.model import LlamaModel
+from aaflow.engine.sequence import KVExport, Sequence
+from aaflow.errors import KVImportError, PromptError, SequenceError
+
+
+class KVRunner:
+    def __init__(self, model: LlamaModel, layout: KVLayout, fingerprint: str, prefix_caching: bool = True) -> None:
+        self.model = model
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.prefix_caching = prefix_caching
+        self.cache = PagedKVCache(layout)
+        self.blocks = BlockManager(layout.num_blocks, layout.block_size)
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count(1)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def new_sequence(self) -> int:
+        seq = Sequence(next(self._ids))
+        self.sequences[seq.seq_id] = seq
+        return seq.seq_id
+
+    def get(self, seq_id: int) -> Sequence:
+        try:
+            return self.sequences[seq_id]
+        except KeyError:
+            raise SequenceError(f"unknown sequence {seq_id}: never created or already freed") from None
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks (sealed ones stay in the prefix cache until reused)."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is None:
+            raise SequenceError(f"unknown sequence {seq_id}: never created or already freed")
+        for block in seq.block_table:
+            self.blocks.release(block)
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every block of `seq_id`; a shared block is copied when written."""
+        src = self.get(seq_id)
+        child = Sequence(next(self._ids), list(src.token_ids), list(src.block_table), src.num_sealed, src.last_hash)
+        for block in child.block_table:
+            self.blocks.share(block)
+        self.sequences[child.seq_id] = child
+        return child.seq_id
+
+    def stats(self) -> BlockStats:
+        return self.blocks.stats()
+
+    # --- growing sequences ----------------------------------------------------------------
+    def _check_positions(self, seq: Sequence, num_new: int) -> None:
+        limit = self.model.config.max_position_embeddings
+        if len(seq) + num_new > limit:
+            raise PromptError(
+                f"sequence {seq.seq_id} would reach {len(seq) + num_new} tokens, beyond the model's "
+                f"{limit} positions; shorten the prompt or max_new_tokens"
+            )
+
+    def _grow(self, seq: Sequence, num_new: int) -> None:
+        """Make room for `num_new` more tokens: copy a shared last block, allocate new ones."""
+        bs = self.layout.block_size
+        if len(seq) % bs and self.blocks.ref_counts[seq.block_table[-1]] > 1:
+            shared = seq.block_table[-1]
+            private = self.blocks.allocate()
+            self.cache.copy_block(shared, private)
+            self.blocks.release(shared)
+            seq.block_table[-1] = private
+        for _ in range(self.blocks.blocks_needed(len(seq), num_new)):
+            seq.block_table.append(self.blocks.allocate())
+
+    def _blocks_to_grow(self, seqs: list[Sequence], num_new: int) -> int:
+        bs = self.layout.block_size
+        needed = 0
+        for seq in seqs:
+            needed += self.blocks.blocks_needed(len(seq), num_new)
+            if len(seq) % bs and self.blocks.ref_counts[seq.block_table[-1]] > 1:
+                needed += 1
+        return needed
+
+    def _seal_full_blocks(self, seq: Sequence) -> None:
+        if not self.prefix_caching:
+            return
+        bs = self.layout.block_size
+        while seq.num_sealed < len(seq) // bs:
+            i = seq.num_sealed
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            seq.last_hash = self.blocks.seal(seq.block_table[i], seq.last_hash, tokens)
+            seq.num_sealed += 1
+
+    def _reuse_prefix(self, seq: Sequence, token_ids: list[int]) -> int:
+        """On an empty sequence, adopt cached blocks of the longest matching prefix; returns tokens reused."""
+        if not self.prefix_caching or len(seq):
+            return 0
+        matched, last_hash = self.blocks.match_prefix(token_ids)
+        reserved = self.blocks.count_cached_free(matched)
+        n = len(matched) * self.layout.block_size
+        self.blocks.check_capacity(self.blocks.blocks_needed(n, len(token_ids) - n), reserved)
+        for block in matched:
+            self.blocks.share(block)
+        seq.block_table = list(matched)
+        seq.token_ids = list(token_ids[:n])
+        seq.num_sealed, seq.last_hash = len(matched), last_hash
+        self.blocks.tokens_reused += n
+        return n
+
+    def prefill(self, seq_id: int, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Append `token_ids` at the next positions of a sequence; returns the last token's logits [vocab].
+
+        An empty sequence first reuses the longest cached prefix. `chunk_size` splits the work into
+        forward passes of at most that many tokens (incremental prefill); results equal one pass.
+        Capacity is checked before anything changes: on `KVCapacityError` the sequence is untouched.
+        """
+        seq = self.get(seq_id)
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise PromptError("cannot prefill an empty list of tokens")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self._check_positions(seq, len(token_ids))
+        reused = self._reuse_prefix(seq, token_ids)
+        remaining = token_ids[reused:] if reused else token_ids
+        self.blocks.check_capacity(self._blocks_to_grow([seq], len(remaining)))
+        step = chunk_size or len(remaining)
+        logits = None
+        for i in range(0, len(remaining), step):
+            logits = self._forward_chunk(seq, remaining[i : i + step])
+        return logits
+
+    def _forward_chunk(self, seq: Sequence, chunk: list[int]) -> torch.Tensor:
+        bs = self.layout.block_size
+        start = len(seq)
+        self._grow(seq, len(chunk))
+        stop = start + len(chunk)
+        context = seq.slots(0, stop, bs)  # [stop]
+        batch = AttentionBatch.prefill(context[start:], context, start)
+        ids = torch.tensor(chunk, dtype=torch.long)
+        logits = self.model.forward(ids, torch.arange(start, stop), self.cache, batch,
+                                    logit_rows=torch.tensor([len(chunk) - 1]))
+        seq.token_ids.extend(chunk)
+        self.blocks.tokens_computed += len(chunk)
+        self._seal_full_blocks(seq)
+        return logits[0]
+
+    def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+        """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
+        if len(seq_ids) != len(token_ids) or not seq_ids:
+            raise ValueError("decode needs one token per sequence and at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one decode batch: {seq_ids}")
+        seqs = [self.get(s) for s in seq_ids]
+        for seq in seqs:
+            self._check_positions(seq, 1)
+        self.blocks.check_capacity(self._blocks_to_grow(seqs, 1))
+        bs = self.layout.block_size
+        for seq in seqs:
+            self._grow(seq, 1)
+        contexts = [seq.slots(0, len(seq) + 1, bs) for seq in seqs]
+        write = torch.stack([c[-1] for c in contexts])
+        positions = torch.tensor([len(seq) for seq in seqs])
+        batch = AttentionBatch.decode(write, contexts)
+        logits = self.model.forward(torch.tensor(token_ids), positions, self.cache, batch)
+        for seq, tok in zip(seqs, token_ids):
+            seq.token_ids.append(tok)
+            self._seal_full_blocks(seq)
+        self.blocks.tokens_computed += len(seqs)
+        return logits
+
+    # --- export / import ------------------------------------------------------------------
+    def export_kv(self, seq_id: int) -> KVExport:
+        """The sequence's KV as one contiguous [layers, 2, n, kv_heads, head_dim] tensor (a copy)."""
+        seq = self.get(seq_id)
+        kv = self.cache.read_tokens(seq.slots(0, len(seq), self.layout.block_size))
+        return KVExport(self.fingerprint, tuple(seq.token_ids), kv)
+
+    def import_kv(self, export: KVExport) -> int:
+        """A new sequence holding imported KV; checked against this engine before any memory is touched."""
+        lay = self.layout
+        n = len(export.token_ids)
+        expected = (lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim)
+        if export.fingerprint != self.fingerprint:
+            raise KVImportError(
+                f"KV was computed by model {export.fingerprint[:16]}..., this engine is "
+                f"{self.fingerprint[:16]}...; recompute from text on this engine instead"
+            )
+        if tuple(export.kv.shape) != expected:
+            raise KVImportError(f"KV shape {tuple(export.kv.shape)} does not match this engine's {expected}")
+        if export.kv.dtype != lay.dtype:
+            raise KVImportError(f"KV dtype {export.kv.dtype} does not match this engine's {lay.dtype}")
+        if n == 0:
+            raise KVImportError("cannot import an empty KV export")
+        seq = Sequence(next(self._ids))
+        self._check_positions(seq, n)
+        self.blocks.check_capacity(self.blocks.blocks_needed(0, n))
+        self._grow(seq, n)
+        self.cache.write_tokens(seq.slots(0, n, lay.block_size), export.kv)
+        seq.token_ids = list(export.token_ids)
+        self.sequences[seq.seq_id] = seq
+        self._seal_full_blocks(seq)
+        return seq.seq_id

@@ -1,0 +1,46 @@
+"""Per-sequence state: the tokens whose KV is in the pool and the blocks that hold it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from aaflow.engine.block_manager import NO_HASH
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    token_ids: list[int] = field(default_factory=list)  # tokens whose KV is stored (positions 0..n-1)
+    block_table: list[int] = field(default_factory=list)  # block i holds positions [i*bs, (i+1)*bs)
+    num_sealed: int = 0  # leading full blocks registered in the prefix cache
+    last_hash: int = NO_HASH  # chain hash of the last sealed block
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def slots(self, start: int, stop: int, block_size: int) -> torch.Tensor:
+        """Pool slots of positions [start, stop): [stop - start] int64."""
+        pos = torch.arange(start, stop)
+        table = torch.tensor(self.block_table, dtype=torch.long)
+        return table[pos // block_size] * block_size + pos % block_size
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A sequence's KV as one contiguous tensor, ready for a transport or a file.
+
+    Attributes:
+        fingerprint: the model fingerprint of the engine that computed it.
+        token_ids: the tokens at positions 0..n-1.
+        kv: [num_layers, 2 (k, v), n, num_kv_heads, head_dim] in the engine's dtype.
+    """
+
+    fingerprint: str
+    token_ids: tuple[int, ...]
+    kv: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

@@ -1,0 +1,69 @@
+"""The domain exceptions of aaflow. Each says what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class AAFlowError(Exception):
+    """Base class of every error aaflow raises on purpose."""
+
+
+class ModelNotFoundError(AAFlowError, LookupError):
+    """A model name is not in the registry, or a model folder is missing or incomplete."""
+
+
+class ModelFetchError(AAFlowError, RuntimeError):
+    """Downloading or converting a registered model's weights failed."""
+
+
+class UnsupportedModelError(AAFlowError, ValueError):
+    """The model's architecture or RoPE scaling is not one the built-in engine implements."""
+
+
+class PromptError(AAFlowError, ValueError):
+    """A prompt is empty, malformed, or longer than the model's positions."""
+
+
+class SamplingError(AAFlowError, ValueError):
+    """A sampling parameter (temperature, top_p, max_new_tokens, ...) is out of range."""
+
+
+class SequenceError(AAFlowError, KeyError):
+    """A sequence id is unknown to the engine (never created, or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class KVCapacityError(AAFlowError, MemoryError):
+    """The KV block pool has too few free blocks for a request.
+
+    Attributes:
+        needed_blocks: blocks the request needs.
+        free_blocks: blocks that were free (including evictable cached blocks).
+    """
+
+    def __init__(self, needed_blocks: int, free_blocks: int, hint: str = "") -> None:
+        self.needed_blocks = needed_blocks
+        self.free_blocks = free_blocks
+        msg = (
+            f"KV pool exhausted: need {needed_blocks} blocks, {free_blocks} free. "
+            "Free finished sequences, or create the engine with a larger "
+            "kv_cache_bytes / num_blocks."
+        )
+        super().__init__(msg + (f" {hint}" if hint else ""))
+
+
+class KVImportError(AAFlowError, ValueError):
+    """Imported KV does not match this engine (fingerprint, shape or dtype)."""
+
+
+class ModelMismatchError(AAFlowError, ValueError):
+    """KV made by one model was offered to a replica serving a different model."""
+
+
+class KVTransferError(AAFlowError, RuntimeError):
+    """A KV transfer failed or timed out; both sides' pools are left consistent."""
+
+
+class WorkflowError(AAFlowError, ValueError):
+    """A workflow graph is invalid (cycle, unknown reference, unserved model, ...)."""

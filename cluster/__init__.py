@@ -1,0 +1,1 @@
+"""aaflow cluster package."""

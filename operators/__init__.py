@@ -1,0 +1,1 @@
+"""aaflow operators package."""
