@@ -63,7 +63,7 @@ def test_tiny_greedy_64_steps_identical(tiny_pair):
 def test_qwen2_really_has_qkv_bias(tiny_qwen2_dir):
     engine = Engine.from_pretrained(tiny_qwen2_dir, dtype="float32", num_blocks=8)
     assert engine.config.qkv_bias and not engine.config.o_bias and engine.config.tie_word_embeddings
-    assert float(engine.runner.model.weights.layers[0].qkv_bias.abs().sum()) > 0
+    assert float(engine.runner.model.weights.layers[0].qkv.bias.abs().sum()) > 0
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):

@@ -27,22 +27,20 @@ class LlamaModel:
         return weight * normed.to(self.dtype)
 
     def _layer(
-        self, index: int, w: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
+        self, index: int, w: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: PagedKVCache, batch: AttentionBatch,
     ) -> torch.Tensor:  # h: [T, hidden] -> [T, hidden]
         c = self.config
-        x = self._rms_norm(h, w.input_norm)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         T = h.shape[0]
-        q = self.rotary.apply(q.view(T, c.num_heads, c.head_dim), positions)  # [T, H, D]
-        k = self.rotary.apply(k.view(T, c.num_kv_heads, c.head_dim), positions)  # [T, Hkv, D]
-        v = v.reshape(T, c.num_kv_heads, c.head_dim)
+        qkv = w.qkv(self._rms_norm(h, w.input_norm))  # [T, q_size + 2 * kv_size]
+        qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
+        qk = self.rotary.rotate(qk, *cos_sin)  # q and k heads rotated together: [T, H + Hkv, D]
+        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+        v = qkv[:, c.q_size + c.kv_size :].reshape(T, c.num_kv_heads, c.head_dim)
         attn = paged_attention(index, q, k, v, cache, batch)  # [T, H * D]
-        h = h + F.linear(attn, w.o, w.o_bias)
-        x = self._rms_norm(h, w.post_norm)
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
-        return h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        h = h + w.o(attn)
+        gate, up = w.gate_up(self._rms_norm(h, w.post_norm)).chunk(2, dim=-1)  # [T, I] each
+        return h + w.down(F.silu(gate) * up)
 
     @torch.inference_mode()
     def forward(
@@ -54,9 +52,9 @@ class LlamaModel:
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to the vocabulary; None = all
     ) -> torch.Tensor:  # float32 logits [R, vocab]
         h = self.weights.embed[input_ids]  # [T, hidden]
+        cos_sin = self.rotary.at(positions)
         for index, layer in enumerate(self.weights.layers):
-            h = self._layer(index, layer, h, positions, cache, batch)
+            h = self._layer(index, layer, h, cos_sin, cache, batch)
         if logit_rows is not None:
             h = h[logit_rows]
-        h = self._rms_norm(h, self.weights.final_norm)
-        return F.linear(h, self.weights.lm_head).float()
+        return self.weights.lm_head(self._rms_norm(h, self.weights.final_norm)).float()

@@ -43,10 +43,13 @@ class RotaryTable:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D], positions: [T] -> x rotated to its positions, [T, H, D]."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, 1, D], to pass to `rotate`."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] rotated by (cos, sin) from `at`: [T, H, D]."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

@@ -10,6 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from aaflow.engine.config import ModelConfig
+from aaflow.engine.linear import Linear, can_prepack
 from aaflow.errors import ModelNotFoundError
 
 
@@ -18,15 +19,11 @@ class LayerWeights:
     """One decoder layer; q/k/v and gate/up are fused so each is one matmul."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
-    o: torch.Tensor  # [hidden, q_size]
-    o_bias: torch.Tensor | None  # [hidden]
+    qkv: Linear  # hidden -> q_size + 2 * kv_size
+    o: Linear  # q_size -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 @dataclass
@@ -34,20 +31,14 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    lm_head: Linear  # hidden -> vocab (the embedding matrix when tied)
 
     def nbytes(self) -> int:
-        """Bytes of weights read per decode step (each tensor once; a tied head is not counted twice)."""
-        seen: set[int] = set()
-        total = 0
-        tensors = [self.embed, self.final_norm, self.lm_head]
-        for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+        """Bytes of weights a decode step reads (the embedding table counts once, as the head)."""
+        norms = sum(t.numel() * t.element_size() for t in [self.final_norm] +
+                    [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)])
+        linears = sum(lin.nbytes for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return norms + linears + self.lm_head.nbytes
 
 
 def _read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
@@ -75,27 +66,24 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Model
     def maybe(name: str, present: bool) -> torch.Tensor | None:
         return take(name) if present else None
 
+    def cat(names: list[str]) -> torch.Tensor:
+        return torch.cat([take(n) for n in names])
+
+    pack = can_prepack(dtype)
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        qkv_bias = None
-        if config.qkv_bias:
-            qkv_bias = torch.cat([take(attn + f"{x}_proj.bias") for x in "qkv"])
-        gate_up_bias = None
-        if config.mlp_bias:
-            gate_up_bias = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+        qkv_bias = cat([attn + f"{x}_proj.bias" for x in "qkv"]) if config.qkv_bias else None
+        gate_up_bias = cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if config.mlp_bias else None
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=torch.cat([take(attn + f"{x}_proj.weight") for x in "qkv"]),
-            qkv_bias=qkv_bias,
-            o=take(attn + "o_proj.weight"),
-            o_bias=maybe(attn + "o_proj.bias", config.o_bias),
+            qkv=Linear(cat([attn + f"{x}_proj.weight" for x in "qkv"]), qkv_bias, pack),
+            o=Linear(take(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", config.o_bias), pack),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-            gate_up_bias=gate_up_bias,
-            down=take(mlp + "down_proj.weight"),
-            down_bias=maybe(mlp + "down_proj.bias", config.mlp_bias),
+            gate_up=Linear(cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"]), gate_up_bias, pack),
+            down=Linear(take(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", config.mlp_bias), pack),
         ))
     embed = take("model.embed_tokens.weight")
     tied = config.tie_word_embeddings or "lm_head.weight" not in raw
@@ -103,5 +91,5 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Model
         embed=embed,
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=embed if tied else take("lm_head.weight"),
+        lm_head=Linear(embed if tied else take("lm_head.weight"), None, pack),
     )
