@@ -1,0 +1,58 @@
+"""Helpers every benchmark shares: medians of repeats, memcpy bandwidth, JSON output, machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+    """Median wall seconds of `fn` over `repeats` runs after `warmup` untimed runs; also the samples."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples), samples
+
+
+def memcpy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """In-process copy bandwidth (bytes/s) between preallocated buffers: the physical bound here."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    seconds, _ = median_time(lambda: dst.copy_(src), repeats, warmup=2)
+    return nbytes / seconds
+
+
+def machine_facts() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_json(path: str | os.PathLike, data: dict) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    log(f"wrote {out}")
+    return out
