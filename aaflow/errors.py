@@ -67,3 +67,19 @@ class KVTransferError(AAFlowError, RuntimeError):
 
 class WorkflowError(AAFlowError, ValueError):
     """A workflow graph is invalid (cycle, unknown reference, unserved model, ...)."""
+
+
+class KVRefFreedError(AAFlowError, LookupError):
+    """A KVRef was used after it was explicitly freed."""
+
+
+class KVEvictedError(AAFlowError, LookupError):
+    """An evicted KVRef cannot be rebuilt: it was made without lineage and was not spilled."""
+
+
+class KVLocationError(AAFlowError, ValueError):
+    """KVRefs on different engines/replicas were combined without transferring them first."""
+
+
+class KVComposeError(AAFlowError, ValueError):
+    """KV parts cannot be composed in the requested mode (e.g. exact compose of independent parts)."""

@@ -1,1 +1,20 @@
-"""aaflow operators package."""
+"""The KV object model (KVSpec, KVRef, lineage) and the five stateful operators.
+
+Operators work against the small KV protocol of `operators.protocol` (implemented by the
+built-in engine) and know nothing of Ray or of a concrete engine.
+"""
+
+from operators.compose import compose
+from operators.evict import evict, free, pin, unpin
+from operators.fork import fork
+from operators.host import EvictionPolicy, KVHost
+from operators.materialize import extend, generate, materialize
+from operators.payload import KVPayload
+from operators.ref import FidelityReport, KVRef, Lineage
+from operators.spec import KVSpec
+from operators.transfer import transfer
+
+__all__ = [
+    "EvictionPolicy", "FidelityReport", "KVHost", "KVPayload", "KVRef", "KVSpec", "Lineage",
+    "compose", "evict", "extend", "fork", "free", "generate", "materialize", "pin", "transfer", "unpin",
+]

@@ -140,11 +140,28 @@ class Engine:
     def sequence_tokens(self, seq_id: int) -> list[int]:
         return list(self.runner.get(seq_id).token_ids)
 
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self.runner.get(seq_id).block_table)
+
     def export_kv(self, seq_id: int) -> KVExport:
         return self.runner.export_kv(seq_id)
 
-    def import_kv(self, export: KVExport) -> int:
-        return self.runner.import_kv(export)
+    def import_kv(self, export: KVExport, cacheable: bool = True) -> int:
+        """A new sequence holding imported KV (checked first); `cacheable=False` for approximate KV."""
+        return self.runner.import_kv(export, cacheable)
+
+    def shift_keys(self, export: KVExport, delta: int) -> torch.Tensor:
+        """The export's KV with keys re-rotated by `delta` positions (values unchanged):
+        [layers, 2, n, kv_heads, head_dim]."""
+        kv = export.kv.clone()
+        kv[:, 0] = self.runner.model.rotary.shift_keys(export.kv[:, 0], delta)
+        return kv
+
+    def blend(self, seq_id: int, candidate_positions: list[int], fraction: float):
+        """Recompute the most-deviating `fraction` of candidate positions in place (a `BlendResult`)."""
+        from aaflow.engine.blend import blend
+
+        return blend(self.runner, seq_id, candidate_positions, fraction)
 
     def stats(self):
         """Blocks used / free / cached and tokens computed vs reused (a `BlockStats`)."""

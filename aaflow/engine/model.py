@@ -43,6 +43,18 @@ class LlamaModel:
         return h + w.down(F.silu(gate) * up)
 
     @torch.inference_mode()
+    def run_layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: AttentionBatch,
+        num_layers: int,
+    ) -> torch.Tensor:  # input_ids, positions: [T] -> hidden states after `num_layers` layers [T, hidden]
+        """Run the first `num_layers` layers, writing the new tokens' K/V of those layers to the cache."""
+        h = self.weights.embed[input_ids]  # [T, hidden]
+        cos_sin = self.rotary.at(positions)
+        for index in range(num_layers):
+            h = self._layer(index, self.weights.layers[index], h, cos_sin, cache, batch)
+        return h
+
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -51,10 +63,7 @@ class LlamaModel:
         batch: AttentionBatch,
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to the vocabulary; None = all
     ) -> torch.Tensor:  # float32 logits [R, vocab]
-        h = self.weights.embed[input_ids]  # [T, hidden]
-        cos_sin = self.rotary.at(positions)
-        for index, layer in enumerate(self.weights.layers):
-            h = self._layer(index, layer, h, cos_sin, cache, batch)
+        h = self.run_layers(input_ids, positions, cache, batch, self.config.num_layers)
         if logit_rows is not None:
             h = h[logit_rows]
         return self.weights.lm_head(self._rms_norm(h, self.weights.final_norm)).float()

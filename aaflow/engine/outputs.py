@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass
@@ -30,6 +30,7 @@ class GenerationOutput:
     decode_s: float
     num_reused_tokens: int = 0
     seq_id: int | None = field(default=None, repr=False)  # set when the sequence was kept
+    kv: Any = field(default=None, repr=False)  # the continued context's KVRef, when an operator kept it
 
     @property
     def total_s(self) -> float:

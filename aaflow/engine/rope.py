@@ -38,7 +38,8 @@ class RotaryTable:
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * inverse_frequencies(config)[None, :]  # [P, D/2]
+        self._inv_freq = inverse_frequencies(config)  # [D/2]
+        freqs = positions[:, None] * self._inv_freq[None, :]  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
@@ -53,3 +54,16 @@ class RotaryTable:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys rotated for position p moved to p + delta (RoPE rotations compose): [..., D] -> same.
+
+        Rotation happens in float32 and the result is cast back, so bf16 keys lose at most one rounding.
+        """
+        inv_freq = self._inv_freq
+        angle = torch.tensor(float(delta)) * inv_freq  # [D/2]
+        emb = torch.cat((angle, angle))  # [D]
+        k32 = k.float()
+        half = k.shape[-1] // 2
+        rotated = torch.cat((-k32[..., half:], k32[..., :half]), dim=-1)
+        return (k32 * emb.cos() + rotated * emb.sin()).to(k.dtype)

@@ -51,7 +51,8 @@ class KVRunner:
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of `seq_id`; a shared block is copied when written."""
         src = self.get(seq_id)
-        child = Sequence(next(self._ids), list(src.token_ids), list(src.block_table), src.num_sealed, src.last_hash)
+        child = Sequence(next(self._ids), list(src.token_ids), list(src.block_table), src.num_sealed, src.last_hash,
+                         src.cacheable)
         for block in child.block_table:
             self.blocks.share(block)
         self.sequences[child.seq_id] = child
@@ -91,7 +92,7 @@ class KVRunner:
         return needed
 
     def _seal_full_blocks(self, seq: Sequence) -> None:
-        if not self.prefix_caching:
+        if not (self.prefix_caching and seq.cacheable):
             return
         bs = self.layout.block_size
         while seq.num_sealed < len(seq) // bs:
@@ -185,8 +186,11 @@ class KVRunner:
         kv = self.cache.read_tokens(seq.slots(0, len(seq), self.layout.block_size))
         return KVExport(self.fingerprint, tuple(seq.token_ids), kv)
 
-    def import_kv(self, export: KVExport) -> int:
-        """A new sequence holding imported KV; checked against this engine before any memory is touched."""
+    def import_kv(self, export: KVExport, cacheable: bool = True) -> int:
+        """A new sequence holding imported KV; checked against this engine before any memory is touched.
+
+        `cacheable=False` marks approximate KV, which must never serve prefix-cache hits.
+        """
         lay = self.layout
         n = len(export.token_ids)
         expected = (lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim)
@@ -201,7 +205,7 @@ class KVRunner:
             raise KVImportError(f"KV dtype {export.kv.dtype} does not match this engine's {lay.dtype}")
         if n == 0:
             raise KVImportError("cannot import an empty KV export")
-        seq = Sequence(next(self._ids))
+        seq = Sequence(next(self._ids), cacheable=cacheable)
         self._check_positions(seq, n)
         self.blocks.check_capacity(self.blocks.blocks_needed(0, n))
         self._grow(seq, n)

@@ -16,6 +16,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # block i holds positions [i*bs, (i+1)*bs)
     num_sealed: int = 0  # leading full blocks registered in the prefix cache
     last_hash: int = NO_HASH  # chain hash of the last sealed block
+    cacheable: bool = True  # False for approximate KV (re-rotated / blended): never enters the prefix cache
 
     def __len__(self) -> int:
         return len(self.token_ids)

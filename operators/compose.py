@@ -1,0 +1,96 @@
+"""compose: one KVRef for the concatenated context of several refs, exact or reported approximate.
+
+Each part is placed after everything composed before it:
+  * a part whose tokens start with the context so far was computed with that context as its
+    prefix: its tail is exact and is used as is;
+  * any other part is an independent segment: `exact` refuses it; `rerotate` moves its keys to
+    their new positions (RoPE rotations compose; values unchanged); `blend` re-rotates, then
+    recomputes the fraction `r` of its tokens whose KV deviates most (CacheBlend-style).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+
+from aaflow.errors import KVComposeError, KVLocationError
+from operators.payload import KVPayload
+from operators.ref import FidelityReport, KVRef, Lineage
+
+
+def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", r: float = 0.15,
+            check: Sequence[int] | None = None) -> KVRef:
+    """A ref for the concatenation of the parts' contexts (see the module doc for the rules).
+
+    Args:
+        mode: "exact" (raises `KVComposeError` unless every part continues the ones before it),
+            "rerotate" or "blend".
+        r: blend's recompute fraction of each independent segment's tokens, 0 <= r <= 1.
+        check: probe token ids; if given, the fidelity report compares next-token logits after the
+            probe against a full recompute of the composed context (costs one full prefill).
+    Non-exact results carry `ref.fidelity`; an all-continuation compose is exact in any mode.
+    """
+    if not kvs:
+        raise KVComposeError("compose needs at least one KVRef")
+    if mode not in ("exact", "rerotate", "blend"):
+        raise KVComposeError(f"unknown compose mode {mode!r}: use 'exact', 'rerotate' or 'blend'")
+    host = kvs[0].host
+    for part in kvs[1:]:
+        if part.host is not host:
+            raise KVLocationError(
+                f"cannot compose {kvs[0].id} on {kvs[0].replica} with {part.id} on {part.replica}: "
+                f"transfer one of them first (af.transfer(kv, host))"
+            )
+    tokens: list[int] = []
+    pieces: list[torch.Tensor] = []  # [layers, 2, n_i, kv_heads, head_dim] each
+    moved: list[tuple[int, int]] = []  # (start, stop) of independent segments in the composed context
+    for part in kvs:
+        export = host.engine.export_kv(host.sequence(part))
+        if list(part.token_ids[: len(tokens)]) == tokens:  # continues the context so far
+            pieces.append(export.kv[:, :, len(tokens):])
+            tokens = list(part.token_ids)
+            continue
+        if mode == "exact":
+            raise KVComposeError(
+                f"exact compose needs each part computed with the parts before it as its prefix, but "
+                f"{part.id} ({len(part)} tokens) does not start with the {len(tokens)} tokens before it; "
+                "use mode='rerotate' or mode='blend' (approximate, with a fidelity report), or "
+                "materialize the concatenated text"
+            )
+        pieces.append(host.engine.shift_keys(export, len(tokens)))
+        moved.append((len(tokens), len(tokens) + len(part)))
+        tokens += list(part.token_ids)
+    payload = KVPayload(host.fingerprint, tuple(tokens), torch.cat(pieces, dim=2))
+    seq = host.engine.import_kv(payload, cacheable=not moved)  # approximate KV never serves prefix hits
+    fidelity = None
+    if moved:
+        fidelity = FidelityReport(mode, total_tokens=len(tokens))
+        if mode == "blend":
+            candidates = [p for start, stop in moved for p in range(start, stop)]
+            result = host.engine.blend(seq, candidates, r)
+            fidelity = FidelityReport(mode, recomputed_tokens=len(result.recomputed_positions),
+                                      total_tokens=len(tokens), mean_deviation=result.mean_deviation)
+        if check is not None:
+            top1, kl = next_token_agreement(host, seq, tokens, list(check))
+            fidelity = FidelityReport(**{**fidelity.__dict__, "top1_agreement": top1, "kl_divergence": kl})
+    detail = (("mode", mode), ("r", str(r))) if mode == "blend" else (("mode", mode),)
+    lineage = Lineage("compose", tuple(k.id for k in kvs), detail) if all(k.lineage for k in kvs) else None
+    return host.register(seq, lineage, fidelity)
+
+
+def next_token_agreement(host, seq: int, tokens: list[int], probe: list[int]) -> tuple[bool, float]:
+    """Top-1 agreement and KL(recompute || composed) of the logits after `probe` on the composed
+    sequence vs a full recompute of tokens + probe."""
+    engine = host.engine
+    trial = engine.fork(seq)
+    reference = engine.new_sequence()
+    try:
+        approx = engine.prefill(trial, probe)
+        exact = engine.prefill(reference, tokens + probe)
+    finally:
+        engine.free(trial)
+        engine.free(reference)
+    log_p, log_q = torch.log_softmax(exact.double(), -1), torch.log_softmax(approx.double(), -1)
+    kl = float((log_p.exp() * (log_p - log_q)).sum())
+    return bool(exact.argmax() == approx.argmax()), kl

@@ -1,0 +1,16 @@
+"""fork: n refs sharing one context's blocks copy-on-write, so memory is paid once."""
+
+from __future__ import annotations
+
+from operators.ref import KVRef, Lineage
+
+
+def fork(kv: KVRef, n: int = 2) -> list[KVRef]:
+    """n new refs for kv's context. No block is copied until a ref's sequence writes into a
+    shared partial block (then only that block is copied)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"fork needs n >= 1, got {n!r}")
+    host = kv.host
+    seq = host.sequence(kv)
+    lineage = Lineage("fork", (kv.id,)) if kv.lineage else None
+    return [host.register(host.engine.fork(seq), lineage, kv.fidelity) for _ in range(n)]

@@ -1,0 +1,29 @@
+"""The disk tier: evicted KV written as safetensors and checked again before it is reloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from aaflow.errors import KVImportError
+from operators.payload import KVPayload
+
+
+def spill_export(export, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"fingerprint": export.fingerprint, "token_ids": json.dumps(list(export.token_ids))}
+    save_file({"kv": export.kv.contiguous()}, str(path), metadata=meta)
+    return path
+
+
+def load_spilled(path: Path, fingerprint: str) -> KVPayload:
+    """Read a spilled KV file; the fingerprint is checked before the tensor is read."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("fingerprint") != fingerprint:
+            raise KVImportError(f"{path}: spilled KV belongs to another model; it cannot be reloaded here")
+        kv = f.get_tensor("kv")
+    return KVPayload(meta["fingerprint"], tuple(json.loads(meta["token_ids"])), kv)

@@ -1,0 +1,29 @@
+"""transfer: an exact copy of a KVRef's blocks on another engine of the same model."""
+
+from __future__ import annotations
+
+from aaflow.errors import ModelMismatchError
+from operators.host import KVHost
+from operators.ref import KVRef, Lineage
+
+
+def transfer(kv: KVRef, destination: KVHost) -> KVRef:
+    """A ref for kv's context on `destination`, with bit-identical KV.
+
+    Same host: the blocks are shared (no copy). Another engine in this process: one export and
+    one import (checked against fingerprint, shape and dtype). A destination serving a different
+    model raises `ModelMismatchError` before anything is copied.
+    """
+    if destination is kv.host:
+        from operators.fork import fork
+
+        return fork(kv, 1)[0]
+    if destination.fingerprint != kv.fingerprint:
+        raise ModelMismatchError(
+            f"cannot transfer KV of model {kv.fingerprint[:12]}... from {kv.replica} to {destination.name}, "
+            f"which serves model {destination.fingerprint[:12]}...; stream the text instead (recompute)"
+        )
+    export = kv.host.engine.export_kv(kv.host.sequence(kv))
+    seq = destination.engine.import_kv(export, cacheable=kv.exact)
+    lineage = Lineage("transfer", (kv.id,), (("from", kv.replica),)) if kv.lineage else None
+    return destination.register(seq, lineage, kv.fidelity)
