@@ -79,18 +79,19 @@ def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", 
     return host.register(seq, lineage, fidelity)
 
 
-def next_token_agreement(host, seq: int, tokens: list[int], probe: list[int]) -> tuple[bool, float]:
-    """Top-1 agreement and KL(recompute || composed) of the logits after `probe` on the composed
-    sequence vs a full recompute of tokens + probe."""
+def next_token_agreement(host, seq: int, tokens: list[int], probe: list[int]) -> tuple[float, float]:
+    """Over every probe position: the fraction of top-1 next tokens that agree, and the mean
+    KL(recompute || composed), comparing the composed sequence with a full recompute of tokens + probe."""
     engine = host.engine
     trial = engine.fork(seq)
     reference = engine.new_sequence()
     try:
-        approx = engine.prefill(trial, probe)
-        exact = engine.prefill(reference, tokens + probe)
+        approx = engine.prefill(trial, probe, all_logits=True)  # [len(probe), vocab]
+        exact = engine.prefill(reference, tokens + probe, all_logits=True)[-len(probe):]
     finally:
         engine.free(trial)
         engine.free(reference)
     log_p, log_q = torch.log_softmax(exact.double(), -1), torch.log_softmax(approx.double(), -1)
-    kl = float((log_p.exp() * (log_p - log_q)).sum())
-    return bool(exact.argmax() == approx.argmax()), kl
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [len(probe)]
+    agree = (exact.argmax(-1) == approx.argmax(-1)).double()
+    return float(agree.mean()), float(kl.mean())

@@ -45,8 +45,9 @@ class FidelityReport:
         exact: always False for these modes; approximate KV never pretends to be exact.
         recomputed_tokens / total_tokens: tokens recomputed by blend, and the composed length.
         mean_deviation: blend's mean relative layer-1 K/V change over the re-placed tokens.
-        top1_agreement / kl_divergence: next-token agreement and KL(recompute || composed) of the
-            final logits, filled only when compose was asked to check against a recompute.
+        top1_agreement / kl_divergence: over the probe's positions, the fraction of top-1 next tokens
+            equal to a full recompute's and the mean KL(recompute || composed); filled only when
+            compose was asked to check.
     """
 
     mode: str
@@ -54,7 +55,7 @@ class FidelityReport:
     recomputed_tokens: int = 0
     total_tokens: int = 0
     mean_deviation: float | None = None
-    top1_agreement: bool | None = None
+    top1_agreement: float | None = None
     kl_divergence: float | None = None
 
 

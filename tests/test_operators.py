@@ -115,14 +115,21 @@ def test_rerotated_keys_equal_the_segment_computed_alone_at_the_new_offset(host)
     assert torch.equal(composed[:, 1, 100:], host.engine.export_kv(host.sequence(b)).kv[:, 1]), "values unchanged"
 
 
-def test_blend_recomputes_the_fraction_asked_and_reports_fidelity(host):
+def test_blend_recomputes_the_fraction_asked_and_reports_fidelity(make_engine, tmp_path):
+    """A 4-layer model: blend refreshes layers 0-1 of every moved token and all layers of r of them."""
+    from tests.factories import make_tiny_model
+
+    host = KVHost(make_engine(make_tiny_model(tmp_path, "llama", num_hidden_layers=4), num_blocks=64))
     a, b = af.materialize(host, DOC), af.materialize(host, list(range(120, 160)))
     c = af.compose(a, b, mode="blend", r=0.25, check=QUESTION)
     f = c.fidelity
     assert f.mode == "blend" and f.recomputed_tokens == 10 and not f.exact
-    assert f.top1_agreement is not None and f.kl_divergence >= 0
+    assert 0.0 <= f.top1_agreement <= 1.0 and f.kl_divergence > 1e-6, "25% blend is not exact"
     full = af.compose(a, b, mode="blend", r=1.0, check=QUESTION)
-    assert full.fidelity.kl_divergence < 1e-6 and full.fidelity.top1_agreement
+    assert full.fidelity.kl_divergence < 1e-6 and full.fidelity.top1_agreement == 1.0
+    rerotated = af.compose(a, b, mode="rerotate", check=QUESTION)
+    assert rerotated.fidelity.kl_divergence > f.kl_divergence, "blend must beat rerotate alone"
+    host.close()
 
 
 def test_compose_of_refs_on_different_engines_needs_a_transfer(host, make_engine, tiny_llama_dir):

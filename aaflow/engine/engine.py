@@ -123,9 +123,11 @@ class Engine:
     def new_sequence(self) -> int:
         return self.runner.new_sequence()
 
-    def prefill(self, seq_id: int, token_ids: Seq[int], chunk_size: int | None = None) -> torch.Tensor:
-        """Append tokens to a sequence (incremental prefill); returns the last token's logits [vocab]."""
-        return self.runner.prefill(seq_id, list(token_ids), chunk_size)
+    def prefill(self, seq_id: int, token_ids: Seq[int], chunk_size: int | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Append tokens to a sequence (incremental prefill); returns the last token's logits [vocab],
+        or with `all_logits` those of every token computed (a prefix-cache hit skips some): [n, vocab]."""
+        return self.runner.prefill(seq_id, list(token_ids), chunk_size, all_logits)
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """One token for each sequence in one batched pass; returns logits [B, vocab]."""

@@ -117,8 +117,10 @@ class KVRunner:
         self.blocks.tokens_reused += n
         return n
 
-    def prefill(self, seq_id: int, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-        """Append `token_ids` at the next positions of a sequence; returns the last token's logits [vocab].
+    def prefill(self, seq_id: int, token_ids: list[int], chunk_size: int | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Append `token_ids` at the next positions of a sequence; returns the last token's logits [vocab]
+        (with `all_logits`, the logits of every computed token: [n_computed, vocab]).
 
         An empty sequence first reuses the longest cached prefix. `chunk_size` splits the work into
         forward passes of at most that many tokens (incremental prefill); results equal one pass.
@@ -135,12 +137,11 @@ class KVRunner:
         remaining = token_ids[reused:] if reused else token_ids
         self.blocks.check_capacity(self._blocks_to_grow([seq], len(remaining)))
         step = chunk_size or len(remaining)
-        logits = None
-        for i in range(0, len(remaining), step):
-            logits = self._forward_chunk(seq, remaining[i : i + step])
-        return logits
+        chunks = [self._forward_chunk(seq, remaining[i : i + step], all_logits)
+                  for i in range(0, len(remaining), step)]
+        return torch.cat(chunks) if all_logits else chunks[-1][0]
 
-    def _forward_chunk(self, seq: Sequence, chunk: list[int]) -> torch.Tensor:
+    def _forward_chunk(self, seq: Sequence, chunk: list[int], all_logits: bool = False) -> torch.Tensor:
         bs = self.layout.block_size
         start = len(seq)
         self._grow(seq, len(chunk))
@@ -148,12 +149,12 @@ class KVRunner:
         context = seq.slots(0, stop, bs)  # [stop]
         batch = AttentionBatch.prefill(context[start:], context, start)
         ids = torch.tensor(chunk, dtype=torch.long)
-        logits = self.model.forward(ids, torch.arange(start, stop), self.cache, batch,
-                                    logit_rows=torch.tensor([len(chunk) - 1]))
+        rows = None if all_logits else torch.tensor([len(chunk) - 1])
+        logits = self.model.forward(ids, torch.arange(start, stop), self.cache, batch, logit_rows=rows)
         seq.token_ids.extend(chunk)
         self.blocks.tokens_computed += len(chunk)
         self._seal_full_blocks(seq)
-        return logits[0]
+        return logits  # [rows, vocab]
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
