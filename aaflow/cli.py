@@ -9,6 +9,8 @@ import time
 
 BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
+    "memory": "benchmarks.memory_bench",
+    "compose": "benchmarks.compose_bench",
 }
 
 DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste compute re-reading shared context?"
