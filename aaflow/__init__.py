@@ -32,6 +32,8 @@ _EXPORTS = {
     "KVEvictedError": "aaflow.errors",
     "KVLocationError": "aaflow.errors",
     "KVComposeError": "aaflow.errors",
+    "Workflow": "aaflow.workflow",
+    "load_workflow": "aaflow.workflow",
     "KVSpec": "operators",
     "KVRef": "operators",
     "KVHost": "operators",

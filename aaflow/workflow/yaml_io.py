@@ -1,0 +1,103 @@
+"""Workflows as YAML (`configs/workflows/*.yaml`) for `aaflow run` and `aaflow plan`.
+
+    name: review
+    contexts:
+      paper: {file: paper.txt}        # or an inline string
+    agents:
+      r1: {model: smollm2, prompt: [{ref: paper}, "Review the method."], max_tokens: 64}
+      meta: {model: smollm2, prompt: [{ref: paper}, {ref: r1}, "Summarize."]}
+
+Unknown keys are rejected with the key named; references may point forward (order is resolved).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from aaflow.errors import WorkflowError
+from aaflow.workflow.graph import Ref, Workflow
+
+_TOP_KEYS = {"name", "contexts", "agents"}
+_AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy"}
+
+
+def _unknown(where: str, given: dict, allowed: set[str]) -> None:
+    extra = sorted(set(given) - allowed)
+    if extra:
+        raise WorkflowError(f"{where}: unknown key {extra[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
+    """Build and validate a `Workflow` from its YAML mapping."""
+    if not isinstance(raw, dict):
+        raise WorkflowError("a workflow YAML must be a mapping with name, contexts and agents")
+    _unknown("workflow", raw, _TOP_KEYS)
+    wf = Workflow(str(raw.get("name") or "workflow"))
+    for name, value in (raw.get("contexts") or {}).items():
+        if isinstance(value, dict):
+            _unknown(f"context {name!r}", value, {"file", "text"})
+            if "file" in value:
+                path = Path(value["file"])
+                path = path if path.is_absolute() or base_dir is None else base_dir / path
+                if not path.exists():
+                    raise WorkflowError(f"context {name!r}: file {path} does not exist")
+                value = path.read_text()
+            else:
+                value = value.get("text", "")
+        wf.context(name, value)
+    agents = raw.get("agents") or {}
+    if not isinstance(agents, dict):
+        raise WorkflowError("agents must be a mapping of agent name -> settings")
+    for name, spec in agents.items():
+        if not isinstance(spec, dict):
+            raise WorkflowError(f"agent {name!r}: settings must be a mapping")
+        _unknown(f"agent {name!r}", spec, _AGENT_KEYS)
+        if "model" not in spec or "prompt" not in spec:
+            raise WorkflowError(f"agent {name!r}: model and prompt are required")
+    placed: set[str] = set(wf.nodes)
+    pending = dict(agents)
+    while pending:
+        ready = [n for n, s in pending.items() if all(r in placed for r in _refs(n, s["prompt"]))]
+        if not ready:
+            missing = {r for n, s in pending.items() for r in _refs(n, s["prompt"])} - placed - set(pending)
+            if missing:
+                name = next(n for n, s in pending.items() if set(_refs(n, s["prompt"])) & missing)
+                raise WorkflowError(f"agent {name!r} refers to unknown node {sorted(missing)[0]!r}")
+            raise WorkflowError(f"workflow {wf.name!r} has a cycle among agents {sorted(pending)}")
+        for name in ready:
+            spec = dict(pending.pop(name))
+            parts = [Ref(p["ref"], "context" if p["ref"] in raw.get("contexts", {}) else "agent")
+                     if isinstance(p, dict) else p for p in _as_list(spec.pop("prompt"))]
+            wf.agent(name, spec.pop("model"), parts, **spec)
+            placed.add(name)
+    wf.validate()
+    return wf
+
+
+def _as_list(prompt) -> list:
+    return prompt if isinstance(prompt, list) else [prompt]
+
+
+def _refs(agent: str, prompt) -> list[str]:
+    refs = []
+    for part in _as_list(prompt):
+        if isinstance(part, dict):
+            _unknown(f"agent {agent!r} prompt part", part, {"ref"})
+            refs.append(part["ref"])
+        elif not isinstance(part, str):
+            raise WorkflowError(f"agent {agent!r}: prompt parts must be strings or {{ref: name}}, got {part!r}")
+    return refs
+
+
+def load_workflow(path: str | Path) -> Workflow:
+    """Read a workflow YAML file (context files are resolved next to it)."""
+    path = Path(path)
+    if not path.exists():
+        raise WorkflowError(f"workflow file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise WorkflowError(f"{path} is not valid YAML: {exc}") from exc
+    return workflow_from_dict(raw, base_dir=path.parent)

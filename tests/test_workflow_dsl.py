@@ -1,0 +1,87 @@
+"""Workflow DSL and YAML validation: every bad input is a `WorkflowError` naming the node or key."""
+
+from __future__ import annotations
+
+import pytest
+
+import aaflow as af
+from aaflow.workflow import workflow_from_dict
+
+
+def review_workflow():
+    wf = af.Workflow("review")
+    doc = wf.context("paper", "A paper about KV caches.")
+    revs = [wf.agent(f"r{i}", model="smollm2", prompt=[doc, f"Review the {x}."]) for i, x in
+            enumerate(["method", "results", "writing"])]
+    wf.agent("meta", model="smollm2", prompt=[doc, *revs, "Summarize the reviews."], max_tokens=64)
+    return wf
+
+
+def test_topological_order_puts_inputs_first():
+    order = review_workflow().topological_order()
+    assert order.index("paper") < order.index("r0") < order.index("meta")
+    assert order.index("r2") < order.index("meta")
+
+
+def test_python_dsl_errors_name_the_node():
+    wf = af.Workflow("w")
+    doc = wf.context("doc", "text")
+    with pytest.raises(af.WorkflowError, match="'doc' is defined twice"):
+        wf.context("doc", "again")
+    with pytest.raises(af.WorkflowError, match="agent 'a': the prompt is empty"):
+        wf.agent("a", "smollm2", [])
+    with pytest.raises(af.WorkflowError, match="agent 'a': max_tokens"):
+        wf.agent("a", "smollm2", [doc], max_tokens=0)
+    with pytest.raises(af.WorkflowError, match="unknown strategy 'fast'"):
+        wf.agent("a", "smollm2", [doc], strategy="fast")
+    with pytest.raises(af.WorkflowError, match="'a' refers to unknown node 'ghost'"):
+        wf.agent("a", "smollm2", [af.workflow.Ref("ghost", "agent")])
+    with pytest.raises(af.WorkflowError, match="prompt part must be a string"):
+        wf.agent("a", "smollm2", [42])
+    with pytest.raises(af.WorkflowError, match="unknown operator 'teleport'"):
+        wf.kv_op("k", "teleport", doc)
+
+
+def test_unserved_model_is_named():
+    wf = review_workflow()
+    with pytest.raises(af.WorkflowError, match="agent 'r0' uses model 'smollm2', which the cluster does not serve"):
+        wf.validate(served_models={"qwen2"})
+    wf.validate(served_models={"smollm2"})
+
+
+def test_yaml_round_trip_with_forward_references():
+    wf = workflow_from_dict({
+        "name": "chain",
+        "contexts": {"guide": "A style guide."},
+        "agents": {
+            "writer": {"model": "smollm2", "prompt": [{"ref": "guide"}, {"ref": "planner"}, "Write it."]},
+            "planner": {"model": "smollm2", "prompt": [{"ref": "guide"}, "Plan it."], "max_tokens": 16},
+        },
+    })
+    assert wf.topological_order() == ["guide", "planner", "writer"]
+    assert wf.nodes["planner"].max_tokens == 16
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"name": "w", "agentz": {}}, "unknown key 'agentz'"),
+    ({"agents": {"a": {"model": "m", "prompt": ["x"], "max_token": 3}}}, "agent 'a': unknown key 'max_token'"),
+    ({"agents": {"a": {"prompt": ["x"]}}}, "agent 'a': model and prompt are required"),
+    ({"agents": {"a": {"model": "m", "prompt": [{"ref": "nope"}]}}}, "'a' refers to unknown node 'nope'"),
+    ({"agents": {"a": {"model": "m", "prompt": [{"ref": "b"}]}, "b": {"model": "m", "prompt": [{"ref": "a"}]}}},
+     "cycle"),
+    ({"agents": {"a": {"model": "m", "prompt": [{"reff": "b"}]}}}, "unknown key 'reff'"),
+    ({"contexts": {"c": {"file": "missing.txt"}}, "agents": {}}, "file .*missing.txt does not exist"),
+    ({"contexts": {"c": "x"}}, "has no agents"),
+])
+def test_yaml_validation_errors(raw, match, tmp_path):
+    with pytest.raises(af.WorkflowError, match=match):
+        workflow_from_dict(raw, base_dir=tmp_path)
+
+
+def test_load_workflow_reports_bad_yaml(tmp_path):
+    bad = tmp_path / "w.yaml"
+    bad.write_text("agents: [unclosed")
+    with pytest.raises(af.WorkflowError, match="not valid YAML"):
+        af.load_workflow(bad)
+    with pytest.raises(af.WorkflowError, match="does not exist"):
+        af.load_workflow(tmp_path / "none.yaml")
