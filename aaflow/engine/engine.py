@@ -124,10 +124,11 @@ class Engine:
         return self.runner.new_sequence()
 
     def prefill(self, seq_id: int, token_ids: Seq[int], chunk_size: int | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, reuse_prefix: bool = True) -> torch.Tensor:
         """Append tokens to a sequence (incremental prefill); returns the last token's logits [vocab],
-        or with `all_logits` those of every token computed (a prefix-cache hit skips some): [n, vocab]."""
-        return self.runner.prefill(seq_id, list(token_ids), chunk_size, all_logits)
+        or with `all_logits` those of every token computed (a prefix-cache hit skips some): [n, vocab].
+        `reuse_prefix=False` computes every token even when cached blocks match."""
+        return self.runner.prefill(seq_id, list(token_ids), chunk_size, all_logits, reuse_prefix)
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """One token for each sequence in one batched pass; returns logits [B, vocab]."""
@@ -145,8 +146,9 @@ class Engine:
     def block_table(self, seq_id: int) -> list[int]:
         return list(self.runner.get(seq_id).block_table)
 
-    def export_kv(self, seq_id: int) -> KVExport:
-        return self.runner.export_kv(seq_id)
+    def export_kv(self, seq_id: int, out: torch.Tensor | None = None) -> KVExport:
+        """The sequence's KV, [layers, 2, n, kv_heads, head_dim], copied into `out` if given."""
+        return self.runner.export_kv(seq_id, out)
 
     def import_kv(self, export: KVExport, cacheable: bool = True) -> int:
         """A new sequence holding imported KV (checked first); `cacheable=False` for approximate KV."""

@@ -69,9 +69,11 @@ class PagedKVCache:
         """Copy one block (every layer, K and V) onto another: copy-on-write."""
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
 
-    def read_tokens(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots: [T] -> contiguous KV [num_layers, 2, T, num_kv_heads, head_dim]."""
-        return self._flat.index_select(2, slots)
+    def read_tokens(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """slots: [T] -> contiguous KV [num_layers, 2, T, num_kv_heads, head_dim] (into `out` if given)."""
+        if out is None:
+            return self._flat.index_select(2, slots)
+        return torch.index_select(self._flat, 2, slots, out=out)
 
     def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """slots: [T]; kv: [num_layers, 2, T, num_kv_heads, head_dim] -> stored at those slots."""

@@ -118,11 +118,12 @@ class KVRunner:
         return n
 
     def prefill(self, seq_id: int, token_ids: list[int], chunk_size: int | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, reuse_prefix: bool = True) -> torch.Tensor:
         """Append `token_ids` at the next positions of a sequence; returns the last token's logits [vocab]
         (with `all_logits`, the logits of every computed token: [n_computed, vocab]).
 
-        An empty sequence first reuses the longest cached prefix. `chunk_size` splits the work into
+        An empty sequence first reuses the longest cached prefix (unless `reuse_prefix` is False:
+        the text-passing baseline computes everything). `chunk_size` splits the work into
         forward passes of at most that many tokens (incremental prefill); results equal one pass.
         Capacity is checked before anything changes: on `KVCapacityError` the sequence is untouched.
         """
@@ -133,7 +134,7 @@ class KVRunner:
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self._check_positions(seq, len(token_ids))
-        reused = self._reuse_prefix(seq, token_ids)
+        reused = self._reuse_prefix(seq, token_ids) if reuse_prefix else 0
         remaining = token_ids[reused:] if reused else token_ids
         self.blocks.check_capacity(self._blocks_to_grow([seq], len(remaining)))
         step = chunk_size or len(remaining)
@@ -181,10 +182,11 @@ class KVRunner:
         return logits
 
     # --- export / import ------------------------------------------------------------------
-    def export_kv(self, seq_id: int) -> KVExport:
-        """The sequence's KV as one contiguous [layers, 2, n, kv_heads, head_dim] tensor (a copy)."""
+    def export_kv(self, seq_id: int, out: torch.Tensor | None = None) -> KVExport:
+        """The sequence's KV as one contiguous [layers, 2, n, kv_heads, head_dim] tensor (a copy,
+        written into `out` when given: a reusable, transport-registered staging buffer)."""
         seq = self.get(seq_id)
-        kv = self.cache.read_tokens(seq.slots(0, len(seq), self.layout.block_size))
+        kv = self.cache.read_tokens(seq.slots(0, len(seq), self.layout.block_size), out)
         return KVExport(self.fingerprint, tuple(seq.token_ids), kv)
 
     def import_kv(self, export: KVExport, cacheable: bool = True) -> int:

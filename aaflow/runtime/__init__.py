@@ -1,0 +1,57 @@
+"""Running workflows on a cluster: `af.run(workflow, cluster, strategy=...)`."""
+
+from __future__ import annotations
+
+from aaflow.errors import WorkflowError
+from aaflow.runtime.executor import AgentFailedError, Executor
+from aaflow.runtime.prompts import AgentInput, PromptBuilder
+from aaflow.runtime.results import AgentResult, RunResult
+
+__all__ = ["AgentFailedError", "AgentResult", "RunResult", "run"]
+
+
+def _builders(models: set[str]) -> tuple[dict, dict, dict]:
+    from transformers import AutoTokenizer
+
+    from aaflow.engine.config import ModelConfig
+    from aaflow.models import resolve_model_path
+
+    builders, eos, limits = {}, {}, {}
+    for model in models:
+        folder = resolve_model_path(model, quiet=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        config = ModelConfig.from_folder(folder)
+        builders[model] = PromptBuilder(tokenizer)
+        eos[model] = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+        limits[model] = config.max_position_embeddings
+    return builders, eos, limits
+
+
+def _check_sizes(wf, builders, limits) -> None:
+    """Refuse prompts that cannot fit the model's positions, counting upstream outputs at their max."""
+    for agent in wf.agents():
+        total = agent.max_tokens
+        for seg in builders[agent.model].segments(wf, agent):
+            total += wf.nodes[seg.agent].max_tokens if isinstance(seg, AgentInput) else len(seg)
+        if total > limits[agent.model]:
+            raise WorkflowError(
+                f"agent {agent.name!r}: prompt plus output can reach {total} tokens, beyond model "
+                f"{agent.model!r}'s {limits[agent.model]} positions; shorten its contexts or max_tokens"
+            )
+
+
+def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
+        transport: str | None = None) -> RunResult:
+    """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
+
+    Args:
+        strategy: "auto", "text" (the baseline), "recompute", "transfer" or "stream" (per-agent
+            `strategy=` in the DSL overrides it).
+        chunk_tokens: streamed upstream tokens are prefilled downstream in chunks of at least this many.
+        call_timeout_s: the longest any replica call may take before the run fails (nothing hangs).
+        transport: KV transport between replicas ("ray", "nixl", "ucx"); default "ray".
+    """
+    workflow.validate(served_models=cluster.models)
+    builders, eos, limits = _builders({a.model for a in workflow.agents()})
+    _check_sizes(workflow, builders, limits)
+    return Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport).run()

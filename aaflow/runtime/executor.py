@@ -1,0 +1,333 @@
+"""The executor: runs a workflow DAG on a cluster, one short replica call at a time.
+
+Per incoming-edge strategy of an agent:
+  text       wait for every input, prefill the whole prompt (no KV reuse at all): the baseline;
+  recompute  the same, but the replica's prefix cache may serve shared blocks;
+  transfer   the static prefix (chat header + contexts) is materialized once and forked on the
+             same replica, transferred to others; the rest is prefilled when the inputs are done;
+  stream     the static prefix is prefilled at once; upstream tokens are prefilled in chunks while
+             the upstream still decodes (position-stable segments only); the remainder at its end;
+  auto       transfer's prefix sharing + stream's overlap (the documented rule until the planner).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aaflow.engine.sampling import SamplingParams
+from aaflow.errors import AAFlowError, WorkflowError
+from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
+from aaflow.runtime.results import AgentResult, RunResult
+from aaflow.workflow.graph import STRATEGIES, AgentNode
+
+SHARES_PREFIX = ("transfer", "auto")
+STREAMS = ("stream", "auto")
+
+
+class AgentFailedError(AAFlowError, RuntimeError):
+    """An agent failed; its consumers were stopped."""
+
+
+@dataclass
+class _Agent:
+    node: AgentNode
+    strategy: str
+    segments: list[Segment]
+    consumers: list[str]
+    result: AgentResult
+    replica: object = None
+    sid: str = ""
+    state: str = "new"  # new -> opening -> open -> decoding -> done
+    fed: int = 0  # prompt tokens sent to the replica
+    seg: int = 0  # next segment to feed, and the offset inside it
+    offset: int = 0
+    output: list[int] = field(default_factory=list)  # generated ids without end-of-sequence
+    busy: bool = False  # a prefill of this agent is queued or running
+
+    @property
+    def sampling(self) -> SamplingParams:
+        n = self.node
+        return SamplingParams(max_new_tokens=n.max_tokens, temperature=n.temperature, top_p=n.top_p, seed=n.seed)
+
+
+class Executor:
+    def __init__(self, workflow, cluster, strategy: str, builders: dict, eos: dict[str, set[int]],
+                 chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None) -> None:
+        if strategy not in STRATEGIES:
+            raise WorkflowError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        self.wf, self.cluster, self.strategy, self.builders = workflow, cluster, strategy, builders
+        self.eos, self.chunk_tokens, self.call_timeout_s = eos, max(1, chunk_tokens), call_timeout_s
+        self.transport = transport
+        self.start = time.perf_counter()
+        self.events: list[str] = []
+        self.agents: dict[str, _Agent] = {}
+        for node in workflow.agents():
+            consumers = [a.name for a in workflow.agents() if node.name in a.inputs()]
+            segs = builders[node.model].segments(workflow, node)
+            self.agents[node.name] = _Agent(node, node.strategy or strategy, segs, consumers, AgentResult(node.name))
+        self.queues: dict[str, deque] = {r.name: deque() for r in cluster.replicas()}
+        self.inflight: dict = {}  # ObjectRef -> (replica name, callback, kind)
+        self.last_kind: dict[str, str] = {}
+        self.prefix_refs: dict[tuple, dict[str, str]] = {}  # prefix ids -> {replica: ref id}
+        self.prefix_waiters: dict[tuple, list[_Agent]] = {}
+        self.dead: set[str] = set()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    # --- placement -----------------------------------------------------------------------
+    def _place(self, agent: _Agent) -> None:
+        alive = [r for r in self.cluster.replicas(agent.node.model) if r.name not in self.dead]
+        if not alive:
+            raise AgentFailedError(f"agent {agent.node.name!r}: no live replica serves {agent.node.model!r}")
+        load = {r.name: sum(1 for a in self.agents.values() if a.replica is r and a.state != "done") for r in alive}
+        holders = self.prefix_refs.get(static_prefix(agent.segments), {})
+        best = min(alive, key=lambda r: load[r.name] - (1.5 if r.name in holders else 0))
+        agent.replica, agent.result.replica = best, best.name
+        agent.sid = f"{agent.node.name}#{agent.result.restarts}"
+        agent.result.strategy = agent.strategy
+
+    # --- replica call queue --------------------------------------------------------------
+    def _call(self, replica, kind: str, method: str, *args, then=None, **kwargs) -> None:
+        self.queues[replica.name].append((kind, method, args, kwargs, then))
+
+    def _launch(self) -> None:
+        busy = {name for name, _, _ in self.inflight.values()}
+        for replica in self.cluster.replicas():
+            if replica.name in busy or replica.name in self.dead:
+                continue
+            decoding = [a for a in self.agents.values() if a.replica is replica and a.state == "decoding"]
+            queue = self.queues[replica.name]
+            if decoding and (not queue or self.last_kind.get(replica.name) != "step"):
+                sids = [a.sid for a in decoding]
+                ref = replica.actor.session_step.remote(sids)
+                self.inflight[ref] = (replica.name, lambda toks, ds=decoding: self._on_step(ds, toks), "step")
+                self.last_kind[replica.name] = "step"
+            elif queue:
+                kind, method, args, kwargs, then = queue.popleft()
+                ref = getattr(replica.actor, method).remote(*args, **kwargs)
+                self.inflight[ref] = (replica.name, then or (lambda _: None), kind)
+                self.last_kind[replica.name] = kind
+
+    # --- agent lifecycle -----------------------------------------------------------------
+    def _open(self, agent: _Agent) -> None:
+        self._place(agent)
+        agent.state = "opening"
+        prefix = static_prefix(agent.segments)
+        if agent.strategy in SHARES_PREFIX and prefix:
+            self._with_prefix(agent, prefix)
+            return
+        self._call(agent.replica, "open", "session_open", agent.sid, then=lambda _: self._opened(agent))
+
+    def _with_prefix(self, agent: _Agent, prefix: tuple) -> None:
+        """Fork the prefix's KV on the agent's replica, materializing or transferring it first."""
+        holders = self.prefix_refs.setdefault(prefix, {})
+        rname = agent.replica.name
+        if rname in holders:
+            self._call(agent.replica, "open", "session_open", agent.sid, holders[rname],
+                       then=lambda _: self._opened(agent, prefix_len=len(prefix)))
+            return
+        waiting = self.prefix_waiters.setdefault(prefix + (rname,), [])
+        waiting.append(agent)
+        if len(waiting) > 1:
+            return
+        source = next((r for r in self.cluster.replicas() if r.name in holders and r.name not in self.dead), None)
+        if source is None:
+            self._call(agent.replica, "prefill", "materialize", list(prefix),
+                       then=lambda rec: self._prefix_ready(prefix, agent.replica, rec.id, 0))
+        else:
+            self._transfer_prefix(prefix, source, agent.replica, holders[source.name])
+
+    def _transfer_prefix(self, prefix: tuple, source, dest, ref_id: str) -> None:
+        transport = self.transport or "ray"
+
+        def exposed(out):
+            handle, shape, record = out
+            self._call(dest, "transfer", "receive", handle, shape, record, transport,
+                       then=lambda res: (self._call(source, "transfer", "release", handle, transport),
+                                         self._prefix_ready(prefix, dest, res[0].id, res[1].nbytes)))
+
+        self._call(source, "transfer", "expose", ref_id, transport, then=exposed)
+
+    def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
+        self.prefix_refs.setdefault(prefix, {})[replica.name] = ref_id
+        for agent in self.prefix_waiters.pop(prefix + (replica.name,), []):
+            agent.result.bytes_moved += nbytes
+            self._with_prefix(agent, prefix)
+
+    def _opened(self, agent: _Agent, prefix_len: int = 0) -> None:
+        agent.state = "open"
+        if prefix_len:
+            agent.fed, agent.seg, agent.offset = prefix_len, 1, 0
+            agent.result.prefill_reused += prefix_len
+            agent.result.prompt_tokens += prefix_len
+        self._advance(agent)
+
+    def _feedable(self, agent: _Agent) -> tuple[list[int], bool, int]:
+        """Tokens that may be prefilled now (position-stable), whether that completes the prompt,
+        and how many of them come from upstream agents still decoding."""
+        ids: list[int] = []
+        streamed = 0
+        for i in range(agent.seg, len(agent.segments)):
+            seg = agent.segments[i]
+            start = agent.offset if i == agent.seg else 0
+            if isinstance(seg, tuple):
+                ids.extend(seg[start:])
+                continue
+            producer = self.agents[seg.agent]
+            ids.extend(producer.output[start:])
+            if producer.state != "done":
+                streamed += len(producer.output) - start
+                return ids, False, streamed
+        return ids, True, streamed
+
+    def _consume(self, agent: _Agent, count: int) -> None:
+        """Move the feed position `count` tokens forward."""
+        agent.fed += count
+        while count:
+            seg = agent.segments[agent.seg]
+            length = len(seg) if isinstance(seg, tuple) else len(self.agents[seg.agent].output)
+            take = min(count, length - agent.offset)
+            agent.offset += take
+            count -= take
+            if agent.offset == length and (isinstance(seg, tuple) or self.agents[seg.agent].state == "done"):
+                agent.seg, agent.offset = agent.seg + 1, 0
+
+    def _inputs_done(self, agent: _Agent) -> bool:
+        return all(self.agents[s.agent].state == "done" for s in agent.segments if isinstance(s, AgentInput))
+
+    def _advance(self, agent: _Agent) -> None:
+        if agent.state != "open" or agent.busy:
+            return
+        streams = agent.strategy in STREAMS
+        if not streams and not self._inputs_done(agent):
+            return
+        ids, complete, streamed = self._feedable(agent)
+        if not complete and (not ids or (agent.fed > 0 and len(ids) < self.chunk_tokens)):
+            return  # wait for a full chunk (the static part goes at once)
+        agent.busy = True
+        self._consume(agent, len(ids))
+        agent.result.streamed_tokens += streamed
+        agent.result.prompt_tokens += len(ids)
+        sampling = agent.sampling if complete else None
+        reuse = agent.strategy != "text"
+        self._call(agent.replica, "prefill", "session_prefill", agent.sid, ids, sampling, reuse,
+                   then=lambda out: self._prefilled(agent, out))
+
+    def _prefilled(self, agent: _Agent, out: dict) -> None:
+        agent.busy = False
+        agent.result.prefill_computed += out["computed"]
+        agent.result.prefill_reused += out["reused"]
+        if "token" in out:
+            agent.state = "decoding"
+            self._token(agent, out["token"])
+        else:
+            self._advance(agent)
+
+    def _on_step(self, decoding: list[_Agent], tokens: list[int]) -> None:
+        for agent, token in zip(decoding, tokens):
+            if agent.state == "decoding":
+                self._token(agent, token)
+
+    def _token(self, agent: _Agent, token: int) -> None:
+        t = self.now()
+        r = agent.result
+        if r.first_token_s is None:
+            r.first_token_s = t
+        r.last_token_s, r.decoded = t, r.decoded + 1
+        is_eos = token in self.eos[agent.node.model]
+        if not is_eos:
+            agent.output.append(token)
+        if is_eos or r.decoded >= agent.node.max_tokens:
+            agent.state = "done"
+            self._call(agent.replica, "close", "session_close", agent.sid)
+        for name in agent.consumers:
+            consumer = self.agents[name]
+            if consumer.state == "new" and self._inputs_done(consumer):
+                self._open(consumer)
+            else:
+                self._advance(consumer)
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        import ray
+
+        for agent in self.agents.values():  # text / recompute agents open once their inputs are done
+            if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
+                self._open(agent)
+        while any(a.state != "done" for a in self.agents.values()):
+            self._launch()
+            if not self.inflight:
+                stuck = [a.node.name for a in self.agents.values() if a.state != "done"]
+                raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come")
+            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=self.call_timeout_s)
+            if not ready:
+                names = sorted({n for n, _, _ in self.inflight.values()})
+                raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s")
+            ref = ready[0]
+            rname, then, kind = self.inflight.pop(ref)
+            try:
+                value = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._replica_died(rname)
+                continue
+            except Exception as exc:  # noqa: BLE001 - named below
+                self._call_failed(rname, kind, exc)
+                continue
+            then(value)
+        return self._result()
+
+    def _agents_on(self, rname: str) -> list[_Agent]:
+        return [a for a in self.agents.values() if a.replica is not None and a.replica.name == rname]
+
+    def _restart(self, agent: _Agent) -> None:
+        """Start an agent over from its prompt (its lineage) on a live replica."""
+        agent.result.restarts += 1
+        agent.state, agent.fed, agent.seg, agent.offset, agent.busy = "new", 0, 0, 0, False
+        agent.output, agent.result.decoded, agent.result.first_token_s = [], 0, None
+        for counter in ("prefill_computed", "prefill_reused", "streamed_tokens", "prompt_tokens"):
+            setattr(agent.result, counter, 0)
+        if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
+            self._open(agent)
+
+    def _replica_died(self, rname: str) -> None:
+        self.events.append(f"{self.now():.2f}s replica {rname} died; recomputing its agents elsewhere")
+        self.dead.add(rname)
+        self.queues[rname].clear()
+        self.inflight = {r: v for r, v in self.inflight.items() if v[0] != rname}
+        for holders in self.prefix_refs.values():
+            holders.pop(rname, None)
+        self.prefix_waiters = {k: v for k, v in self.prefix_waiters.items() if k[-1] != rname}
+        lost = [a for a in self._agents_on(rname) if a.state != "done"]
+        for agent in lost:
+            self._restart(agent)
+            for name in agent.consumers:  # they streamed tokens that will be produced again
+                consumer = self.agents[name]
+                if consumer.state not in ("new", "done") and consumer not in lost and consumer.fed:
+                    self._call(consumer.replica, "close", "session_close", consumer.sid)
+                    self._restart(consumer)
+
+    def _call_failed(self, rname: str, kind: str, exc: Exception) -> None:
+        if kind == "transfer":  # fall back to recomputing the prefix where it is needed
+            self.events.append(f"{self.now():.2f}s transfer via {rname} failed ({exc}); recomputing instead")
+            for key, waiters in list(self.prefix_waiters.items()):
+                if waiters:
+                    prefix, replica = key[:-1], waiters[0].replica
+                    self._call(replica, "prefill", "materialize", list(prefix),
+                               then=lambda rec, p=prefix, r=replica: self._prefix_ready(p, r, rec.id, 0))
+            return
+        failed = [a.node.name for a in self._agents_on(rname) if a.state != "done"]
+        raise AgentFailedError(f"agent(s) {failed} on replica {rname} failed: {exc}; their consumers were stopped") from exc
+
+    def _result(self) -> RunResult:
+        for agent in self.agents.values():
+            r = agent.result
+            r.token_ids = list(agent.output)
+            r.text = self.builders[agent.node.model].tokenizer.decode(agent.output, skip_special_tokens=True)
+            ups = [self.agents[s.agent].result.last_token_s for s in agent.segments if isinstance(s, AgentInput)]
+            if ups and r.first_token_s is not None:
+                r.handoff_gap_s = r.first_token_s - max(ups)
+        return RunResult(self.wf.name, self.strategy, {n: a.result for n, a in self.agents.items()},
+                         self.now(), self.events)

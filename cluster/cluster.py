@@ -1,0 +1,113 @@
+"""`Cluster`: model replicas as Ray actors, placed with a placement group, on a local or joined Ray."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from aaflow.errors import AAFlowError
+
+
+class ClusterError(AAFlowError, RuntimeError):
+    """The cluster could not be started, placed or reached."""
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    """One replica: its name, the model it serves and its Ray actor."""
+
+    name: str
+    model: str
+    actor: Any
+
+    def __repr__(self) -> str:
+        return f"ReplicaHandle({self.name!r}, model={self.model!r})"
+
+
+class Cluster:
+    """Replicas of one or more models on Ray. Build it with `af.init`; end it with `shutdown()`."""
+
+    def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "bfloat16",
+                 num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
+                 **engine_kwargs) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from cluster.actors import start_ray
+        from cluster.replica import ModelReplica
+
+        if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas.values()):
+            raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
+        self._owns_ray = not ray.is_initialized() and address is None
+        start_ray(address=address, num_cpus=num_cpus)
+        total = sum(replicas.values())
+        cpus = float(ray.available_resources().get("CPU", 1))
+        per_replica = max(0.01, min(1.0, cpus / total))
+        self._pg = placement_group([{"CPU": per_replica}] * total, strategy="PACK")
+        ready, _ = ray.wait([self._pg.ready()], timeout=placement_timeout_s)
+        if not ready:
+            remove_placement_group(self._pg)
+            raise ClusterError(
+                f"could not place {total} replicas ({per_replica:.2f} CPU each) within {placement_timeout_s:.0f} s; "
+                "check `ray status` for free CPUs and that every node joined"
+            )
+        threads = max(1, int((num_cpus or os.cpu_count() or 1) // total))
+        actor_cls = ray.remote(ModelReplica)
+        self._replicas: list[ReplicaHandle] = []
+        index = 0
+        for model, count in replicas.items():
+            for i in range(count):
+                name = f"{model}-{i}"
+                actor = actor_cls.options(
+                    num_cpus=per_replica, max_concurrency=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
+                ).remote(name, model, dtype=dtype, threads=threads, **engine_kwargs)
+                self._replicas.append(ReplicaHandle(name, model, actor))
+                index += 1
+        infos = [r.actor.info.remote() for r in self._replicas]
+        ready, pending = ray.wait(infos, num_returns=len(infos), timeout=load_timeout_s)
+        if pending:
+            self.shutdown()
+            raise ClusterError(f"{len(pending)} replicas did not load their model within {load_timeout_s:.0f} s")
+        try:
+            self.info = {r.name: ray.get(ref) for r, ref in zip(self._replicas, infos)}
+        except Exception as exc:
+            self.shutdown()
+            raise ClusterError(f"a replica failed to start: {exc}") from exc
+
+    def replicas(self, model: str | None = None) -> list[ReplicaHandle]:
+        """Replica handles, all or those serving `model`."""
+        return [r for r in self._replicas if model is None or r.model == model]
+
+    @property
+    def models(self) -> set[str]:
+        return {r.model for r in self._replicas}
+
+    def shutdown(self) -> None:
+        """Stop the replicas and, if `af.init` started Ray, Ray itself."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for r in self._replicas:
+            try:
+                ray.get(r.actor.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - a dead replica needs no closing
+                pass
+            ray.kill(r.actor)
+        self._replicas = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._owns_ray:
+            ray.shutdown()
+
+
+def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:
+    """Start (or join, with `address`) a Ray cluster and load `replicas` = {model: count}.
+
+    Local Ray binds 127.0.0.1 only. Keyword arguments go to `Cluster` (dtype, num_cpus,
+    placement_timeout_s, and engine settings such as kv_cache_bytes).
+    """
+    return Cluster(replicas, address=address, **kwargs)

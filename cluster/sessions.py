@@ -1,0 +1,95 @@
+"""Step-level generation on a replica, driven by the executor one call at a time.
+
+The executor (in the driver) owns the schedule: it prefills prompt segments as they become
+known (streaming incremental prefill), then advances every running sequence of a replica by
+one batched decode step per call. Each call is short, so a replica actor interleaves the work
+of many agents, and tokens leave a replica as soon as they are decoded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aaflow.engine.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class _Session:
+    seq_id: int
+    sampler: Sampler | None = None
+    computed: int = 0  # prompt tokens computed by a forward pass
+    reused: int = 0  # prompt tokens served by the prefix cache or a fork
+    generated: list[int] = field(default_factory=list)
+
+
+class SequenceSessions:
+    """Mixin for `ModelReplica`: sessions addressed by a string id. Needs `self.engine`, `self._ref`."""
+
+    def _sessions(self) -> dict[str, _Session]:
+        if not hasattr(self, "_session_table"):
+            self._session_table: dict[str, _Session] = {}
+        return self._session_table
+
+    def session_open(self, sid: str, fork_of: str | None = None) -> int:
+        """Start a session, empty or continuing a KVRef of this replica (shared blocks); returns its length."""
+        seq = self.engine.fork(self.host.sequence(self._ref(fork_of))) if fork_of else self.engine.new_sequence()
+        self._sessions()[sid] = _Session(seq)
+        return len(self.engine.sequence_tokens(seq))
+
+    def session_prefill(self, sid: str, token_ids: list[int], sampling: SamplingParams | None = None,
+                        reuse_prefix: bool = True, chunk_size: int | None = None) -> dict:
+        """Append prompt tokens (incremental prefill). With `sampling`, this was the prompt's last
+        segment: the first generated token is sampled and returned as "token"."""
+        s = self._sessions()[sid]
+        t0 = time.perf_counter()
+        before = self.engine.stats().tokens_computed
+        logits = self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix)
+        computed = self.engine.stats().tokens_computed - before
+        s.computed += computed
+        s.reused += len(token_ids) - computed
+        out = {"computed": computed, "reused": len(token_ids) - computed, "seconds": time.perf_counter() - t0}
+        if sampling is not None:
+            s.sampler = Sampler(sampling)
+            out["token"] = s.sampler(logits[None])[0]
+            s.generated.append(out["token"])
+        return out
+
+    def session_step(self, sids: list[str]) -> list[int]:
+        """One batched decode step for these sessions: feed each its last token, sample the next."""
+        sessions = [self._sessions()[sid] for sid in sids]
+        logits = self.engine.decode([s.seq_id for s in sessions], [s.generated[-1] for s in sessions])
+        tokens = []
+        for s, row in zip(sessions, logits):
+            token = s.sampler(row[None])[0]
+            s.generated.append(token)
+            tokens.append(token)
+        return tokens
+
+    def session_counters(self, sid: str) -> dict:
+        s = self._sessions()[sid]
+        return {"computed": s.computed, "reused": s.reused, "generated": len(s.generated)}
+
+    def session_close(self, sid: str, keep_as_ref: bool = False):
+        """End a session; with `keep_as_ref` its KV becomes a KVRef here (returns its record)."""
+        s = self._sessions().pop(sid, None)
+        if s is None:
+            return None
+        if keep_as_ref:
+            from operators import Lineage
+
+            return self._record(self.host.register(s.seq_id, Lineage("generate")))
+        self.engine.free(s.seq_id)
+        return None
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        return self.engine.decode_text(token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def eos_token_ids(self) -> list[int]:
+        eos = set(self.engine.config.eos_token_ids)
+        if self.engine.tokenizer.eos_token_id is not None:
+            eos.add(self.engine.tokenizer.eos_token_id)
+        return sorted(eos)
