@@ -10,6 +10,7 @@ import time
 BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "memory": "benchmarks.memory_bench",
+    "transfer": "benchmarks.kv_transfer_bench",
     "compose": "benchmarks.compose_bench",
 }
 

@@ -1,0 +1,211 @@
+"""Transport microbenchmark: bandwidth and latency of every available KV transport.
+
+For each transport, between two processes (two Ray actors; `local` runs in-process):
+- fetch of a 64 MiB tensor into a warm, preallocated `out` (median of `--repeats` after
+  `--warmup`), and the source-side `expose` time of the same tensor (for `ray` that is
+  the copy into the object store; for `nixl` a registration);
+- latency of a small (4 KiB) fetch, same protocol;
+plus in-process `torch.copy_` into a preallocated buffer: the physical bound here.
+Each fetched tensor is checked bit for bit once. Writes JSON to `--out`, prints a table.
+
+    python benchmarks/transfer_bench.py --out results/transfer_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from importlib import metadata
+
+import torch
+
+from cluster.transports import available_transports, get_transport
+from cluster.transports.base import as_bytes
+
+
+class BenchPeer:
+    """A transport endpoint holding one source tensor and one preallocated `out` per size."""
+
+    def __init__(self, name: str) -> None:
+        self.transport = get_transport(name)
+        self.sources: dict[int, torch.Tensor] = {}
+        self.outs: dict[int, torch.Tensor] = {}
+
+    def expose(self, nbytes: int):
+        """Expose the (cached) source tensor of `nbytes`; returns (handle, seconds)."""
+        if nbytes not in self.sources:
+            self.sources[nbytes] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        start = time.perf_counter()
+        handle = self.transport.expose(self.sources[nbytes])
+        return handle, time.perf_counter() - start
+
+    def release(self, handle) -> None:
+        self.transport.release(handle)
+
+    def checksum(self, nbytes: int, which: str) -> int:
+        tensor = (self.sources if which == "source" else self.outs)[nbytes]
+        return int(as_bytes(tensor).view(torch.int64).sum())
+
+    def fetch(self, handle) -> float:
+        """Fetch into the warm `out` of this size; returns the fetch's own seconds."""
+        out = self.outs.get(handle.nbytes)
+        if out is None:
+            out = self.outs[handle.nbytes] = torch.full((handle.nbytes,), 1, dtype=torch.uint8)
+        return self.transport.fetch(handle, out, timeout_s=60.0).seconds
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _summary(samples: list[float], nbytes: int) -> dict:
+    median = statistics.median(samples)
+    return {
+        "nbytes": nbytes,
+        "median_s": median,
+        "samples_s": samples,
+        "bandwidth_bytes_per_s": nbytes / median,
+    }
+
+
+def memcpy_bound(nbytes: int, repeats: int, warmup: int) -> dict:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    samples = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if i >= warmup:
+            samples.append(time.perf_counter() - start)
+    return _summary(samples, nbytes) | {"threads": torch.get_num_threads()}
+
+
+def bench_pair(source, destination, call, nbytes: int, repeats: int, warmup: int) -> dict:
+    handle, _ = call(source.expose, nbytes)
+    fetch_s = [call(destination.fetch, handle) for _ in range(warmup + repeats)][warmup:]
+    exact = call(source.checksum, nbytes, "source") == call(destination.checksum, nbytes, "out")
+    call(source.release, handle)
+    expose_s = []
+    for _ in range(repeats):
+        handle, seconds = call(source.expose, nbytes)
+        expose_s.append(seconds)
+        call(source.release, handle)
+    return {
+        "fetch": _summary(fetch_s, nbytes),
+        "expose": _summary(expose_s, nbytes),
+        "exact": exact,
+    }
+
+
+def run_transport(name: str, args, ray_module) -> dict:
+    if name == "local":
+        source, destination = BenchPeer(name), BenchPeer(name)
+        call = lambda method, *a: method(*a)  # noqa: E731
+    else:
+        actor = ray_module.remote(BenchPeer).options(num_cpus=0)
+        source, destination = actor.remote(name), actor.remote(name)
+        call = lambda method, *a: ray_module.get(method.remote(*a), timeout=300)  # noqa: E731
+    try:
+        large = bench_pair(
+            source, destination, call, args.size_mib * 2**20, args.repeats, args.warmup
+        )
+        small = bench_pair(
+            source, destination, call, args.small_bytes, args.repeats, args.warmup + 2
+        )
+    finally:
+        for peer in (source, destination):
+            call(peer.close)
+        if name != "local":
+            for peer in (source, destination):
+                ray_module.kill(peer)
+    return {"large": large, "small": small}
+
+
+def _versions() -> dict:
+    found = {}
+    for package in ["torch", "ray", "nixl", "ucxx-cu12", "numpy"]:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="path of the JSON results")
+    parser.add_argument("--size-mib", type=int, default=64)
+    parser.add_argument("--small-bytes", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--transports", nargs="*", help="default: every available one")
+    args = parser.parse_args()
+
+    available = available_transports()
+    names = args.transports or [n for n, ok in available.items() if ok is True]
+    results = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+            "versions": _versions(),
+        },
+        "params": vars(args),
+        "available": available,
+        "memcpy": memcpy_bound(args.size_mib * 2**20, args.repeats, args.warmup),
+        "transports": {},
+    }
+    ray_module = None
+    if any(n != "local" for n in names):
+        import ray
+
+        ray.init(
+            num_cpus=2,
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            _temp_dir=tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp"),
+            logging_level="ERROR",
+            object_store_memory=2 * 2**30,
+        )
+        ray_module = ray
+    try:
+        for name in names:
+            results["transports"][name] = run_transport(name, args, ray_module)
+    finally:
+        if ray_module is not None:
+            ray_module.shutdown()
+    results["machine"]["loadavg_end"] = os.getloadavg()
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    bound = results["memcpy"]["bandwidth_bytes_per_s"]
+    size = results["params"]["size_mib"]
+    small = results["params"]["small_bytes"]
+    print(
+        f"{'transport':<10} {f'fetch {size} MiB':>16} {'of memcpy':>10} {f'expose {size} MiB':>16} "
+        f"{f'latency {small} B':>16} {'exact':>6}"
+    )
+    print(f"{'memcpy':<10} {bound / 1e9:>11.2f} GB/s {'100%':>10} {'':>16} {'':>16} {'':>6}")
+    for name, r in results["transports"].items():
+        fetch, expose, lat = r["large"]["fetch"], r["large"]["expose"], r["small"]["fetch"]
+        exact = r["large"]["exact"] and r["small"]["exact"]
+        print(
+            f"{name:<10} {fetch['bandwidth_bytes_per_s'] / 1e9:>11.2f} GB/s "
+            f"{fetch['bandwidth_bytes_per_s'] / bound:>10.0%} {expose['median_s'] * 1e3:>13.2f} ms "
+            f"{lat['median_s'] * 1e6:>13.0f} us {str(exact):>6}"
+        )
+    machine = results["machine"]
+    print(f"load average start {machine['loadavg_start']}, end {machine['loadavg_end']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Ray at the edge: start or join a Ray cluster on loopback and host `ModelReplica`s as actors."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Loopback-only settings for UCX-based transports inside actors (see PLATFORM.md).
+ACTOR_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+
+
+def default_temp_dir() -> str:
+    """Ray's session folder: short (Unix socket paths are limited to 107 bytes), under the user's tmp."""
+    path = Path(tempfile.gettempdir()) / f"aaflow-ray-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None):
+    """Join `address`, or start a local Ray bound to 127.0.0.1 with no dashboard (nothing on 0.0.0.0)."""
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    env = {"env_vars": dict(ACTOR_ENV)}
+    if address is not None:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), _node_ip_address="127.0.0.1", include_dashboard=False,
+                 _temp_dir=temp_dir or default_temp_dir(), runtime_env=env, log_to_driver=False)
+    return ray
+
+
+def replica_actor(name: str, model: str, num_cpus: float = 1, **replica_kwargs):
+    """Create a `ModelReplica` as a named Ray actor (its calls run one at a time)."""
+    import ray
+
+    from cluster.replica import ModelReplica
+
+    actor_cls = ray.remote(ModelReplica)
+    return actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1).remote(name, model, **replica_kwargs)

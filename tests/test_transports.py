@@ -1,0 +1,366 @@
+"""One suite for every KV transport: exact copies between two processes, and fast failures.
+
+`local` is the reference and runs in this process; `ray`, `nixl` and `ucx` move tensors
+between two Ray actors (one local Ray started once for the module). A backend is skipped
+only when its package is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from aaflow.errors import KVTransferError
+from cluster.transports import (
+    Transport,
+    TransportUnavailableError,
+    available_transports,
+    get_transport,
+    register_transport,
+)
+from cluster.transports.base import as_bytes
+from cluster.transports.local import LocalHandle
+
+BACKENDS = ["local", "ray", "nixl", "ucx"]
+
+# [layers, 2, tokens, kv_heads, head_dim]
+TINY = (2, 2, 3, 3, 7)  # 504 elements: well under a page
+SMOLLM2_77 = (30, 2, 77, 3, 64)  # 1,774,080 bytes in bf16: not a multiple of 4 KiB
+SMOLLM2_512 = (30, 2, 512, 3, 64)  # 11.25 MiB in bf16, 22.5 MiB in fp32
+SPECS = [
+    (TINY, "bfloat16"),
+    (TINY, "float32"),
+    (SMOLLM2_77, "bfloat16"),
+    (SMOLLM2_77, "float32"),
+    (SMOLLM2_512, "bfloat16"),
+    (SMOLLM2_512, "float32"),
+]
+FAST_S = 5.0  # a failing fetch must raise well within this
+
+
+def make_kv(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
+    """Deterministic KV-like content, rebuilt on the destination to check the copy."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+
+
+class Peer:
+    """One transport endpoint and the tensors it keeps alive; a Ray actor, or in-process."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.transport: Transport = get_transport(name)
+        self.exposed: dict[str, torch.Tensor] = {}
+        self.outs: dict[tuple, torch.Tensor] = {}
+        self.pool: torch.Tensor | None = None
+
+    def expose(self, shape, dtype, seed=0):
+        tensor = make_kv(shape, dtype, seed)
+        handle = self.transport.expose(tensor)
+        self.exposed[handle.handle_id] = tensor
+        return handle
+
+    def expose_from_pool(self, shape, dtype, seed, offset_elems):
+        """Expose a slice of a pool registered once (an unaligned offset on purpose)."""
+        if self.pool is None:
+            self.pool = torch.zeros(4 * 2**20, dtype=torch.bfloat16)
+            self.transport.register_pool(self.pool)
+        kv = make_kv(shape, "bfloat16", seed)
+        view = self.pool[offset_elems : offset_elems + kv.numel()].view(shape)
+        view.copy_(kv)
+        return self.transport.expose(view)
+
+    def release(self, handle):
+        self.transport.release(handle)
+        self.exposed.pop(handle.handle_id, None)
+
+    def fetch(self, handle, seed=0, timeout_s=30.0, shape=None, dtype=None):
+        """Fetch into a reused, scribbled-over `out`; report exactness and registrations."""
+        shape, dtype = shape or handle.shape, dtype or handle.dtype
+        out = self.outs.setdefault((shape, dtype), torch.empty(shape, dtype=getattr(torch, dtype)))
+        as_bytes(out).fill_(0xA5)
+        stats = self.transport.fetch(handle, out, timeout_s=timeout_s)
+        expected = make_kv(shape, dtype, seed)
+        return dict(
+            equal=torch.equal(out, expected),
+            bytes_equal=torch.equal(as_bytes(out), as_bytes(expected)),
+            nbytes=stats.nbytes,
+            seconds=stats.seconds,
+            registrations=self.transport.num_registrations,
+        )
+
+    def fetch_error(self, handle, out_nbytes=None, timeout_s=FAST_S):
+        """Fetch expecting failure: (exception type, message, seconds)."""
+        nbytes = handle.nbytes if out_nbytes is None else out_nbytes
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        start = time.monotonic()
+        try:
+            self.transport.fetch(handle, out, timeout_s=timeout_s)
+        except Exception as err:
+            return type(err).__name__, str(err), time.monotonic() - start
+        return None, "fetch succeeded", time.monotonic() - start
+
+    def registrations(self):
+        return self.transport.num_registrations
+
+    def reopen(self):
+        self.transport.close()
+        self.transport = get_transport(self.name)
+        self.exposed.clear()
+        self.outs.clear()
+        self.pool = None
+
+    def close(self):
+        self.transport.close()
+
+
+class RemotePeer:
+    """Calls a `Peer` actor's methods synchronously (tests read like in-process calls)."""
+
+    def __init__(self, actor) -> None:
+        self._actor = actor
+
+    def __getattr__(self, method):
+        import ray
+
+        return lambda *args, **kwargs: ray.get(
+            getattr(self._actor, method).remote(*args, **kwargs), timeout=120
+        )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    temp_dir = tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp")  # short: unix socket paths
+    ray.init(
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors need Peer
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def peers(request):
+    """(source, destination) for one backend; two processes except for `local`."""
+    name = request.param
+    reason = available_transports()[name]
+    if reason is not True:
+        pytest.skip(f"{name}: {reason}")
+    if name == "local":
+        source, destination = Peer(name), Peer(name)
+        yield source, destination
+        source.close()
+        destination.close()
+        return
+    ray = request.getfixturevalue("ray_cluster")
+    actor = ray.remote(Peer).options(num_cpus=0, max_concurrency=1)
+    handles = [actor.remote(name), actor.remote(name)]
+    source, destination = (RemotePeer(h) for h in handles)
+    yield source, destination
+    for handle in handles:
+        try:
+            ray.get(handle.close.remote(), timeout=30)
+        finally:
+            ray.kill(handle)
+
+
+# -- registry ----------------------------------------------------------------------------------
+
+
+def test_available_transports_reports_each_backend():
+    report = available_transports()
+    assert set(BACKENDS) <= set(report)
+    assert report["local"] is True
+    for name, status in report.items():
+        assert status is True or (isinstance(status, str) and status), (name, status)
+
+
+def test_unknown_transport_name_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'"):
+        get_transport("carrier-pigeon")
+
+
+class _NeverInstalled(Transport):
+    name = "never"
+
+    @classmethod
+    def unavailable_reason(cls):
+        return "package providing 'never_installed' is not installed"
+
+    def expose(self, tensor):
+        raise AssertionError("unreachable")
+
+    def _fetch(self, handle, out, deadline):
+        raise AssertionError("unreachable")
+
+    def release(self, handle):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_uninstalled_and_broken_backends_are_reported_not_raised():
+    register_transport("never", f"{__name__}:_NeverInstalled")
+    register_transport("broken", "no_such_module_aaflow:Nothing")
+    report = available_transports()
+    assert "never_installed" in report["never"]
+    assert "no_such_module_aaflow" in report["broken"]
+    with pytest.raises(TransportUnavailableError, match="never_installed"):
+        get_transport("never")
+
+
+# -- one suite over every backend --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s[1]}-{'x'.join(map(str, s[0]))}")
+def test_fetch_is_an_exact_copy(peers, spec):
+    source, destination = peers
+    shape, dtype = spec
+    handle = source.expose(shape, dtype, seed=7)
+    assert (handle.shape, handle.dtype) == (shape, dtype)
+    result = destination.fetch(handle, seed=7)
+    source.release(handle)
+    assert result["equal"] and result["bytes_equal"], f"{handle.transport}: copy differs for {spec}"
+    assert result["nbytes"] == torch.empty(shape, dtype=getattr(torch, dtype)).nbytes
+
+
+def test_repeated_fetches_reuse_registrations(peers):
+    source, destination = peers
+    handle = source.expose(SMOLLM2_77, "bfloat16", seed=3)
+    first = destination.fetch(handle, seed=3)
+    again = [destination.fetch(handle, seed=3) for _ in range(3)]
+    source.release(handle)
+    assert all(r["equal"] for r in [first, *again])
+    assert {r["registrations"] for r in again} == {first["registrations"]}
+
+
+def test_pool_slices_are_exposed_without_new_registrations(peers):
+    source, destination = peers
+    handles = [
+        source.expose_from_pool(SMOLLM2_77, "bfloat16", seed, offset)
+        for seed, offset in [(1, 0), (2, 1_000_003)]
+    ]
+    registered = source.registrations()
+    handles.append(source.expose_from_pool(TINY, "bfloat16", 3, 3_000_001))
+    assert source.registrations() == registered
+    for handle, seed in zip(handles, [1, 2, 3], strict=True):
+        assert destination.fetch(handle, seed=seed)["equal"]
+        source.release(handle)
+
+
+def test_handles_are_small_and_picklable(peers):
+    source, _ = peers
+    handle = source.expose(TINY, "float32")
+    if handle.transport != "ray":  # an ObjectRef pickles only through Ray
+        assert pickle.loads(pickle.dumps(handle)) == handle
+        assert len(pickle.dumps(handle)) < 4096
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        handle.nbytes = 1
+    source.release(handle)
+
+
+def _assert_fails_fast(result, match):
+    kind, message, seconds = result
+    assert kind == "KVTransferError", f"expected KVTransferError, got {kind}: {message}"
+    assert match in message, message
+    assert seconds < FAST_S, f"took {seconds:.1f} s: {message}"
+
+
+def test_released_handle_raises_fast(peers):
+    source, destination = peers
+    handle = source.expose(SMOLLM2_77, "float32")
+    assert destination.fetch(handle)["equal"]
+    source.release(handle)
+    source.release(handle)  # idempotent
+    _assert_fails_fast(destination.fetch_error(handle), "released")
+
+
+def test_forged_handle_raises_fast(peers):
+    source, destination = peers
+    handle = source.expose(TINY, "float32")
+    forged = dataclasses.replace(handle, handle_id="0123456789abcdef" * 2)
+    _assert_fails_fast(destination.fetch_error(forged), handle.transport)
+    garbage_id = dataclasses.replace(handle, handle_id="not hex at all")
+    _assert_fails_fast(destination.fetch_error(garbage_id), handle.transport)
+    assert destination.fetch(handle)["equal"], "a good fetch must still work after failures"
+    source.release(handle)
+
+
+def test_damaged_handle_blobs_raise_fast(peers):
+    """Truncated agent metadata / worker addresses must fail cleanly, not abort inside UCX."""
+    source, destination = peers
+    handle = source.expose(TINY, "float32")
+    blobs = {
+        f.name: getattr(handle, f.name)
+        for f in dataclasses.fields(handle)
+        if isinstance(getattr(handle, f.name), bytes)
+    }
+    for name, blob in blobs.items():
+        for damaged in (blob[:-5], blob[: len(blob) // 2], b"garbage" * 8):
+            changes = {
+                name: damaged,
+                **({"reg_id": "never-loaded"} if hasattr(handle, "reg_id") else {}),
+            }
+            _assert_fails_fast(
+                destination.fetch_error(dataclasses.replace(handle, **changes)), "damaged"
+            )
+    assert destination.fetch(handle)["equal"], "a good fetch must still work after failures"
+    source.release(handle)
+
+
+def test_wrong_size_out_and_foreign_handles_raise_fast(peers):
+    source, destination = peers
+    handle = source.expose(TINY, "bfloat16")
+    _assert_fails_fast(destination.fetch_error(handle, out_nbytes=handle.nbytes - 2), "bytes")
+    _assert_fails_fast(destination.fetch_error(handle, out_nbytes=handle.nbytes + 2), "bytes")
+    other = "ray" if handle.transport == "local" else "local"
+    foreign = LocalHandle(other, "ab" * 16, handle.nbytes, handle.shape, handle.dtype, pid=0)
+    _assert_fails_fast(destination.fetch_error(foreign), "handle")
+    source.release(handle)
+
+
+def test_handle_of_a_closed_source_raises(peers):
+    source, destination = peers
+    handle = source.expose(TINY, "float32")
+    source.reopen()  # closes the endpoint that exposed `handle`
+    kind, message, seconds = destination.fetch_error(handle, timeout_s=2.0)
+    assert kind == "KVTransferError", message
+    assert seconds < 2.0 + FAST_S, message
+    fresh = source.expose(TINY, "float32", seed=5)
+    assert destination.fetch(fresh, seed=5)["equal"]
+    source.release(fresh)
+
+
+def test_local_handle_is_refused_in_another_process():
+    transport = get_transport("local")
+    tensor = make_kv(TINY, "float32", 0)
+    handle = dataclasses.replace(transport.expose(tensor), pid=-1)
+    with pytest.raises(KVTransferError, match="only works inside one process"):
+        transport.fetch(handle, torch.empty_like(tensor))
+    transport.close()
+
+
+def test_expose_rejects_what_it_cannot_move():
+    transport = get_transport("local")
+    with pytest.raises(ValueError, match="contiguous"):
+        transport.expose(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="empty"):
+        transport.expose(torch.zeros(0))
+    with pytest.raises(ValueError, match="timeout_s"):
+        transport.fetch(transport.expose(torch.zeros(2)), torch.zeros(2), timeout_s=0)
+    transport.close()
