@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from aaflow.errors import KVImportError, KVTransferError, ModelMismatchError
+from cluster.faults import FaultInjection
 from cluster.sessions import SequenceSessions
 from operators import EvictionPolicy, FidelityReport, KVHost, KVPayload, KVRef, Lineage
 
@@ -47,7 +48,7 @@ def _round_up(nbytes: int) -> int:
     return max(2**20, 1 << (nbytes - 1).bit_length())
 
 
-class ModelReplica(SequenceSessions):
+class ModelReplica(SequenceSessions, FaultInjection):
     """An engine and its KVRefs, addressed by ref id. Not thread-safe: an actor serializes calls."""
 
     def __init__(self, name: str, model: str, dtype: str = "bfloat16", threads: int | None = None,
@@ -75,6 +76,9 @@ class ModelReplica(SequenceSessions):
         s = self.engine.stats()
         return {"used_blocks": s.used, "free_blocks": s.free, "cached_blocks": s.cached,
                 "tokens_computed": s.tokens_computed, "tokens_reused": s.tokens_reused, "refs": len(self._refs)}
+
+    def clear_prefix_cache(self) -> None:
+        self.engine.clear_prefix_cache()
 
     def _record(self, ref: KVRef) -> RefRecord:
         self._refs[ref.id] = ref
@@ -180,6 +184,7 @@ class ModelReplica(SequenceSessions):
         The fingerprint, shape and dtype are checked before any byte is received; a failed fetch
         raises `KVTransferError` and leaves this pool exactly as it was.
         """
+        self._maybe_fail("receive")
         if shape.fingerprint != self.engine.fingerprint:
             raise ModelMismatchError(
                 f"replica {self.name} serves model {self.engine.fingerprint[:12]}..., the KV is of model "

@@ -57,6 +57,7 @@ class SequenceSessions:
 
     def session_step(self, sids: list[str]) -> list[int]:
         """One batched decode step for these sessions: feed each its last token, sample the next."""
+        self._maybe_fail("step")
         sessions = [self._sessions()[sid] for sid in sids]
         logits = self.engine.decode([s.seq_id for s in sessions], [s.generated[-1] for s in sessions])
         tokens = []
@@ -81,6 +82,9 @@ class SequenceSessions:
             return self._record(self.host.register(s.seq_id, Lineage("generate")))
         self.engine.free(s.seq_id)
         return None
+
+    def session_count(self) -> int:
+        return len(self._sessions())
 
     def decode_text(self, token_ids: list[int]) -> str:
         return self.engine.decode_text(token_ids)

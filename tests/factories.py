@@ -18,6 +18,8 @@ def save_byte_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}[assistant] {% endif %}")
     fast.save_pretrained(folder)
 
 

@@ -106,6 +106,14 @@ class BlockManager:
         self._tokens_of.pop(block)
         del self._block_of[h]
 
+    def clear_cache(self) -> None:
+        """Forget every sealed block (used ones keep their data; free ones become plain free blocks)."""
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._tokens_of.clear()
+        self._free_uncached.extend(self._free_cached)
+        self._free_cached.clear()
+
     def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:
         """Sealed blocks covering the longest cached prefix of `token_ids` (no references taken).
 

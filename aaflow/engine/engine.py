@@ -167,6 +167,10 @@ class Engine:
 
         return blend(self.runner, seq_id, candidate_positions, fraction)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget cached prefixes (benchmarks start each measurement cold)."""
+        self.runner.blocks.clear_cache()
+
     def stats(self):
         """Blocks used / free / cached and tokens computed vs reused (a `BlockStats`)."""
         return self.runner.stats()

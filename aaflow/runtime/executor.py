@@ -69,9 +69,12 @@ class Executor:
             self.agents[node.name] = _Agent(node, node.strategy or strategy, segs, consumers, AgentResult(node.name))
         self.queues: dict[str, deque] = {r.name: deque() for r in cluster.replicas()}
         self.inflight: dict = {}  # ObjectRef -> (replica name, callback, kind)
+        self.involved: dict = {}  # ObjectRef -> names of the agents a call works for
         self.last_kind: dict[str, str] = {}
         self.prefix_refs: dict[tuple, dict[str, str]] = {}  # prefix ids -> {replica: ref id}
         self.prefix_waiters: dict[tuple, list[_Agent]] = {}
+        self.transferring: dict[tuple, tuple | None] = {}  # prefix + (dest,) -> (source, handle, transport)
+        self.prefix_origin: dict[tuple, str] = {}  # prefix -> replica materializing it
         self.dead: set[str] = set()
 
     def now(self) -> float:
@@ -104,11 +107,13 @@ class Executor:
                 sids = [a.sid for a in decoding]
                 ref = replica.actor.session_step.remote(sids)
                 self.inflight[ref] = (replica.name, lambda toks, ds=decoding: self._on_step(ds, toks), "step")
+                self.involved[ref] = [a.node.name for a in decoding]
                 self.last_kind[replica.name] = "step"
             elif queue:
                 kind, method, args, kwargs, then = queue.popleft()
                 ref = getattr(replica.actor, method).remote(*args, **kwargs)
                 self.inflight[ref] = (replica.name, then or (lambda _: None), kind)
+                self.involved[ref] = [a.node.name for a in self.agents.values() if a.sid == (args or [None])[0]]
                 self.last_kind[replica.name] = kind
 
     # --- agent lifecycle -----------------------------------------------------------------
@@ -134,21 +139,30 @@ class Executor:
         if len(waiting) > 1:
             return
         source = next((r for r in self.cluster.replicas() if r.name in holders and r.name not in self.dead), None)
-        if source is None:
+        if source is not None:
+            self._transfer_prefix(prefix, source, agent.replica, holders[source.name])
+        elif prefix not in self.prefix_origin:  # compute it once; other replicas wait to receive it
+            self.prefix_origin[prefix] = agent.replica.name
             self._call(agent.replica, "prefill", "materialize", list(prefix),
                        then=lambda rec: self._prefix_ready(prefix, agent.replica, rec.id, 0))
-        else:
-            self._transfer_prefix(prefix, source, agent.replica, holders[source.name])
 
     def _transfer_prefix(self, prefix: tuple, source, dest, ref_id: str) -> None:
         transport = self.transport or "ray"
+        key = prefix + (dest.name,)
+        self.transferring[key] = None
 
-        def exposed(out):
+        def received(res) -> None:
+            self.transferring.pop(key, None)
+            self._call(source, "transfer", "release", handle_of[0], transport)
+            self._prefix_ready(prefix, dest, res[0].id, res[1].nbytes)
+
+        def exposed(out) -> None:
             handle, shape, record = out
-            self._call(dest, "transfer", "receive", handle, shape, record, transport,
-                       then=lambda res: (self._call(source, "transfer", "release", handle, transport),
-                                         self._prefix_ready(prefix, dest, res[0].id, res[1].nbytes)))
+            handle_of.append(handle)
+            self.transferring[key] = (source, handle, transport)
+            self._call(dest, "transfer", "receive", handle, shape, record, transport, then=received)
 
+        handle_of: list = []
         self._call(source, "transfer", "expose", ref_id, transport, then=exposed)
 
     def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
@@ -156,6 +170,9 @@ class Executor:
         for agent in self.prefix_waiters.pop(prefix + (replica.name,), []):
             agent.result.bytes_moved += nbytes
             self._with_prefix(agent, prefix)
+        for key, waiters in list(self.prefix_waiters.items()):  # replicas waiting for this prefix
+            if key[:-1] == prefix and waiters and key not in self.transferring:
+                self._transfer_prefix(prefix, replica, waiters[0].replica, ref_id)
 
     def _opened(self, agent: _Agent, prefix_len: int = 0) -> None:
         agent.state = "open"
@@ -254,6 +271,20 @@ class Executor:
     def run(self) -> RunResult:
         import ray
 
+        try:
+            self._loop(ray)
+        except BaseException:
+            self._cleanup(ray)
+            raise
+        return self._result()
+
+    def _cleanup(self, ray) -> None:
+        """After a failure: close every session still open on a live replica (bounded wait)."""
+        calls = [a.replica.actor.session_close.remote(a.sid) for a in self.agents.values()
+                 if a.replica is not None and a.replica.name not in self.dead and a.state != "done"]
+        ray.wait(calls, num_returns=len(calls), timeout=10)
+
+    def _loop(self, ray) -> None:
         for agent in self.agents.values():  # text / recompute agents open once their inputs are done
             if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
                 self._open(agent)
@@ -268,16 +299,26 @@ class Executor:
                 raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s")
             ref = ready[0]
             rname, then, kind = self.inflight.pop(ref)
+            involved = self.involved.pop(ref, [])
             try:
                 value = ray.get(ref)
             except ray.exceptions.RayActorError:
                 self._replica_died(rname)
                 continue
             except Exception as exc:  # noqa: BLE001 - named below
-                self._call_failed(rname, kind, exc)
+                self._call_failed(rname, kind, getattr(exc, "cause", None) or exc, involved)
                 continue
             then(value)
-        return self._result()
+        self._launch_rest(ray)
+
+    def _launch_rest(self, ray) -> None:
+        """Run what is still queued (session closes, releases) so that no KV outlives the run."""
+        while any(self.queues[r.name] for r in self.cluster.replicas() if r.name not in self.dead) or self.inflight:
+            self._launch()
+            ready, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=self.call_timeout_s)
+            for ref in ready:
+                _, then, _ = self.inflight.pop(ref)
+                then(ray.get(ref))
 
     def _agents_on(self, rname: str) -> list[_Agent]:
         return [a for a in self.agents.values() if a.replica is not None and a.replica.name == rname]
@@ -300,6 +341,13 @@ class Executor:
         for holders in self.prefix_refs.values():
             holders.pop(rname, None)
         self.prefix_waiters = {k: v for k, v in self.prefix_waiters.items() if k[-1] != rname}
+        self.transferring = {k: v for k, v in self.transferring.items() if k[-1] != rname}
+        orphaned = {p for p, origin in self.prefix_origin.items() if origin == rname}
+        for prefix in orphaned:  # whoever waited for the dead replica's prefix computes it now
+            del self.prefix_origin[prefix]
+            for key in [k for k in self.prefix_waiters if k[:-1] == prefix]:
+                for agent in self.prefix_waiters.pop(key):
+                    self._with_prefix(agent, prefix)
         lost = [a for a in self._agents_on(rname) if a.state != "done"]
         for agent in lost:
             self._restart(agent)
@@ -309,17 +357,24 @@ class Executor:
                     self._call(consumer.replica, "close", "session_close", consumer.sid)
                     self._restart(consumer)
 
-    def _call_failed(self, rname: str, kind: str, exc: Exception) -> None:
-        if kind == "transfer":  # fall back to recomputing the prefix where it is needed
+    def _call_failed(self, rname: str, kind: str, exc: BaseException, involved: list[str]) -> None:
+        if kind == "transfer":  # fall back to recomputing the prefix where it was going
             self.events.append(f"{self.now():.2f}s transfer via {rname} failed ({exc}); recomputing instead")
-            for key, waiters in list(self.prefix_waiters.items()):
-                if waiters:
-                    prefix, replica = key[:-1], waiters[0].replica
-                    self._call(replica, "prefill", "materialize", list(prefix),
-                               then=lambda rec, p=prefix, r=replica: self._prefix_ready(p, r, rec.id, 0))
+            for key, pending in list(self.transferring.items()):
+                del self.transferring[key]
+                if pending is not None:
+                    source, handle, transport = pending
+                    self._call(source, "transfer", "release", handle, transport)
+                prefix, dest = key[:-1], next(r for r in self.cluster.replicas() if r.name == key[-1])
+                self._call(dest, "prefill", "materialize", list(prefix),
+                           then=lambda rec, p=prefix, r=dest: self._prefix_ready(p, r, rec.id, 0))
             return
-        failed = [a.node.name for a in self._agents_on(rname) if a.state != "done"]
-        raise AgentFailedError(f"agent(s) {failed} on replica {rname} failed: {exc}; their consumers were stopped") from exc
+        failed = involved or [a.node.name for a in self._agents_on(rname) if a.state != "done"]
+        waiting = sorted({c for name in failed for c in self.agents[name].consumers})
+        raise AgentFailedError(
+            f"agent(s) {failed} on replica {rname} failed: {type(exc).__name__}: {exc}; "
+            f"their consumers {waiting} were stopped"
+        ) from exc
 
     def _result(self) -> RunResult:
         for agent in self.agents.values():

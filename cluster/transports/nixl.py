@@ -23,6 +23,8 @@ to `idle_poll_s` (5 ms: an idle endpoint costs ~2.6% of a core, 1.3% of it NIXL'
 polling every 0.5 ms cost 10%). A BEGIN is answered within that
 period and turns spinning on; back-to-back fetches find the poller awake.
 
+`_nixl_agent.AgentHost` wraps the agent (locking, sealed metadata, UCX environment).
+
 UCX settings (defaults measured fastest on this loopback-only machine, PLATFORM.md):
 `UCX_TLS=self,posix,sysv` with backend option `ucx_error_handling_mode=none` and
 `UCX_NET_DEVICES=lo`. They are set in the environment only while the agent's UCX context
@@ -39,10 +41,7 @@ import random
 import struct
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,16 +59,9 @@ from ._leases import (
     LeaseTable,
     Message,
     lease_request,
-    seal,
-    unseal,
 )
-from .base import (
-    TransferHandle,
-    Transport,
-    TransportUnavailableError,
-    _check_cpu_contiguous,
-    package_missing,
-)
+from ._nixl_agent import AgentHost, Region
+from .base import TransferHandle, Transport, _check_cpu_contiguous, package_missing
 
 log = logging.getLogger(__name__)
 _ACK_PAYLOAD = struct.Struct("<QQ")  # address, nbytes of the leased exposure
@@ -82,27 +74,12 @@ class NixlHandle(TransferHandle):
     agent_name: str
     """The source's NIXL agent."""
     agent_metadata: bytes
-    """Source's partial metadata for the registration holding the tensor, with conn info
-    (sealed: checked before NIXL parses it)."""
+    """Source's partial metadata for the registration holding the tensor, with connection
+    info (sealed: checked before NIXL parses it)."""
     reg_id: str
     """Id of that registration (destinations load its metadata once)."""
     addr: int
     """Address of the tensor in the source process."""
-
-
-@dataclass
-class _Region:
-    """One registered DRAM range; `tensor` keeps its memory alive while registered."""
-
-    reg_id: str
-    addr: int
-    nbytes: int
-    tensor: torch.Tensor
-    descs: object  # nixlRegDList
-    metadata: bytes | None = None
-
-    def contains(self, addr: int, nbytes: int) -> bool:
-        return self.addr <= addr and addr + nbytes <= self.addr + self.nbytes
 
 
 class NixlTransport(Transport):
@@ -124,40 +101,23 @@ class NixlTransport(Transport):
         `max_lease_s`: longest a reader may hold an exposure; `max_cached_outs`: receive
         buffers kept registered (LRU)."""
         super().__init__()
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as err:
-            raise TransportUnavailableError(
-                f"nixl: cannot import NIXL ({err}); pip install nixl==1.5.1"
-            ) from err
-
-        self._agent_name = f"aaflow-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with _ucx_env(
-            UCX_TLS=ucx_tls or os.environ.get("UCX_TLS") or "self,posix,sysv",
-            UCX_NET_DEVICES=net_devices or os.environ.get("UCX_NET_DEVICES") or "lo",
-        ):
-            config = nixl_agent_config(
-                enable_prog_thread=False, enable_listen_thread=False, backends=[]
-            )
-            self._agent = nixl_agent(self._agent_name, config)
-            self._agent.create_backend("UCX", {"ucx_error_handling_mode": error_handling_mode})
+        self._agent = AgentHost(
+            ucx_tls or os.environ.get("UCX_TLS") or "self,posix,sysv",
+            net_devices or os.environ.get("UCX_NET_DEVICES") or "lo",
+            error_handling_mode,
+        )
         self._idle_poll_s = idle_poll_s
         self._max_lease_s = max_lease_s
         self._max_cached_outs = max_cached_outs
-        self._lock = threading.RLock()  # serializes every call into the agent
         self._fetch_lock = threading.Lock()  # one fetch at a time per endpoint
         self._leases = LeaseTable()
-        self._pools: list[_Region] = []
-        self._outs: OrderedDict[tuple[int, int], _Region] = OrderedDict()
+        self._pools: list[Region] = []
+        self._outs: OrderedDict[tuple[int, int], Region] = OrderedDict()
         self._loaded: set[tuple[str, str]] = set()  # (agent, reg_id) whose metadata we hold
         self._peers: set[str] = set()  # agents we can notify
         self._acks: dict[int, Message] = {}
         self._stuck: list[tuple[object, torch.Tensor]] = []  # READs that could not be cancelled
         self._tokens = itertools.count(random.getrandbits(48))
-        with self._lock:
-            self._conn_metadata = seal(
-                self._agent.get_partial_agent_metadata(self._empty_descs(), True)
-            )
         self._stop = threading.Event()
         self._poller = threading.Thread(
             target=self._poll_loop, name="nixl-notif-poller", daemon=True
@@ -171,15 +131,9 @@ class NixlTransport(Transport):
 
     # -- registration --------------------------------------------------------------------------
 
-    def _register(self, tensor: torch.Tensor) -> _Region:
-        with self._lock:
-            descs = self._agent.register_memory(tensor)
+    def _register(self, tensor: torch.Tensor) -> Region:
         self.num_registrations += 1
-        return _Region(uuid.uuid4().hex, tensor.data_ptr(), tensor.nbytes, tensor, descs)
-
-    def _deregister(self, region: _Region) -> None:
-        with self._lock:
-            self._agent.deregister_memory(region.descs)
+        return self._agent.register(tensor)
 
     def register_pool(self, tensor: torch.Tensor) -> None:
         _check_cpu_contiguous(tensor, "pool")
@@ -187,14 +141,8 @@ class NixlTransport(Transport):
             return
         self._pools.append(self._register(tensor))
 
-    def _pool_for(self, tensor: torch.Tensor) -> _Region | None:
-        return next((p for p in self._pools if p.contains(tensor.data_ptr(), tensor.nbytes)), None)
-
-    def _metadata(self, region: _Region) -> bytes:
-        if region.metadata is None:
-            with self._lock:
-                region.metadata = seal(self._agent.get_partial_agent_metadata(region.descs, True))
-        return region.metadata
+    def _pool_for(self, tensor: torch.Tensor) -> Region | None:
+        return next((p for p in self._pools if p.contains(tensor)), None)
 
     # -- source side ---------------------------------------------------------------------------
 
@@ -204,18 +152,18 @@ class NixlTransport(Transport):
         cleanup = None
         if region is None:
             region = self._register(tensor)
-            cleanup = lambda region=region: self._deregister(region)  # noqa: E731
+            cleanup = lambda region=region: self._agent.deregister(region)  # noqa: E731
         self._leases.add(fields["handle_id"], tensor, cleanup)
         return NixlHandle(
             **fields,
-            agent_name=self._agent_name,
-            agent_metadata=self._metadata(region),
+            agent_name=self._agent.name,
+            agent_metadata=self._agent.metadata(region),
             reg_id=region.reg_id,
             addr=tensor.data_ptr(),
         )
 
     def release(self, handle: TransferHandle) -> None:
-        self._run(self._leases.release(getattr(handle, "handle_id", "")))
+        _run(self._leases.release(getattr(handle, "handle_id", "")))
 
     # -- destination side ----------------------------------------------------------------------
 
@@ -225,12 +173,12 @@ class NixlTransport(Transport):
             self._out_region(out)
             self._load_peer(handle)
             token = next(self._tokens)
-            ack = self._lease(handle, token, deadline)
+            addr, nbytes = self._lease(handle, token, deadline)
             try:
-                if (ack.addr, ack.nbytes) != (handle.addr, handle.nbytes):
+                if (addr, nbytes) != (handle.addr, handle.nbytes):
                     raise KVTransferError(
                         f"nixl: handle {handle.handle_id} says {handle.nbytes} bytes at "
-                        f"{handle.addr:#x}, the source exposed {ack.nbytes} at {ack.addr:#x}: "
+                        f"{handle.addr:#x}, the source exposed {nbytes} at {addr:#x}: "
                         "a forged or corrupted handle"
                     )
                 self._read(handle, out, token, deadline)
@@ -248,67 +196,48 @@ class NixlTransport(Transport):
             return
         self._outs[key] = self._register(out)
         while len(self._outs) > self._max_cached_outs:
-            self._deregister(self._outs.popitem(last=False)[1])
+            self._agent.deregister(self._outs.popitem(last=False)[1])
 
     def _load_peer(self, handle: NixlHandle) -> None:
         if (handle.agent_name, handle.reg_id) in self._loaded:
             return
-        metadata = unseal(handle.agent_metadata)
-        if metadata is None:
-            raise KVTransferError(
-                "nixl: the handle's agent metadata is damaged (checksum mismatch)"
-            )
-        try:
-            with self._lock:
-                name = _text(self._agent.add_remote_agent(metadata))
-        except Exception as err:
-            raise KVTransferError(
-                f"nixl: cannot load the source's metadata from the handle: {err!r}"
-            ) from err
+        name = self._agent.load(handle.agent_metadata)
         if name != handle.agent_name:
-            raise KVTransferError(
-                f"nixl: handle names agent {handle.agent_name!r}, metadata {name!r}"
-            )
+            raise KVTransferError(f"nixl: handle names agent {handle.agent_name!r}, not {name!r}")
         self._loaded.add((name, handle.reg_id))
         self._peers.add(name)
 
-    def _lease(self, handle: NixlHandle, token: int, deadline: float) -> _Ack:
-        begin = Message(
-            BEGIN, lease_request(deadline), handle.handle_id, token, self._conn_metadata
-        )
-        self._send(handle.agent_name, begin)
+    def _lease(self, handle: NixlHandle, token: int, deadline: float) -> tuple[int, int]:
+        """BEGIN, then wait for the ACK: the leased (address, nbytes)."""
+        payload = self._agent.conn_metadata
+        begin = Message(BEGIN, lease_request(deadline), handle.handle_id, token, payload)
+        self._agent.notify(handle.agent_name, begin)
         while time.monotonic() < deadline:
             self._pump()
-            with self._lock:
-                ack = self._acks.pop(token, None)
-            if ack is not None:
-                if ack.status != OK:
-                    raise KVTransferError(
-                        f"nixl: handle {handle.handle_id} is released or unknown at the source "
-                        f"{handle.agent_name}; expose the tensor again"
-                    )
-                return _Ack(*_ACK_PAYLOAD.unpack(ack.payload))
+            ack = self._acks.pop(token, None)
+            if ack is None:
+                continue
+            if ack.status != OK:
+                raise KVTransferError(
+                    f"nixl: handle {handle.handle_id} is released or unknown at the source "
+                    f"{handle.agent_name}; expose the tensor again"
+                )
+            return _ACK_PAYLOAD.unpack(ack.payload)
         self._abort(handle, token)  # in case the BEGIN is answered after we gave up
         raise KVTransferError(
-            f"nixl: no answer from source agent {handle.agent_name} for handle {handle.handle_id} "
-            "before the timeout: the source process is gone, closed, or not progressing"
+            f"nixl: no answer from source agent {handle.agent_name} for handle "
+            f"{handle.handle_id} before the timeout: the source is gone, closed, or stalled"
         )
 
     def _read(self, handle: NixlHandle, out: torch.Tensor, token: int, deadline: float) -> None:
-        done = Message(DONE, 0, handle.handle_id, token).encode()
-        with self._lock:
-            local = self._agent.get_xfer_descs([(out.data_ptr(), out.nbytes, 0)], "DRAM")
-            remote = self._agent.get_xfer_descs([(handle.addr, handle.nbytes, 0)], "DRAM")
-            xfer = self._agent.initialize_xfer("READ", local, remote, handle.agent_name, done)
-            state = self._agent.transfer(xfer)
+        done = Message(DONE, 0, handle.handle_id, token)
+        xfer, state = self._agent.start_read(out, handle.agent_name, handle.addr, done)
         try:
             while state == "PROC" and time.monotonic() < deadline:
-                with self._lock:
-                    state = self._agent.check_xfer_state(xfer)
+                state = self._agent.state(xfer)
         finally:
             try:
-                with self._lock:
-                    xfer.release()
+                self._agent.release_xfer(xfer)
             except Exception:  # an unfinished READ cannot always be cancelled: keep `out` alive
                 log.warning("nixl: could not release an unfinished transfer", exc_info=True)
                 self._stuck.append((xfer, out))
@@ -318,53 +247,34 @@ class NixlTransport(Transport):
                 f"nixl: READ of {handle.nbytes} bytes from {handle.agent_name} {what}"
             )
 
-    # -- notifications -------------------------------------------------------------------------
-
-    def _send(self, agent: str, message: Message) -> None:
-        try:
-            with self._lock:
-                self._agent.send_notif(agent, message.encode())
-        except Exception as err:
-            raise KVTransferError(f"nixl: cannot notify agent {agent!r}: {err!r}") from err
-
     def _abort(self, handle: NixlHandle, token: int) -> None:
         try:
-            self._send(handle.agent_name, Message(ABORT, 0, handle.handle_id, token))
+            self._agent.notify(handle.agent_name, Message(ABORT, 0, handle.handle_id, token))
         except KVTransferError:
             log.warning("nixl: could not send ABORT to %s", handle.agent_name, exc_info=True)
 
+    # -- notifications -------------------------------------------------------------------------
+
     def _pump(self) -> bool:
         """Progress the agent once and handle every notification that arrived (True if any)."""
-        with self._lock:
-            notifs = self._agent.get_new_notifs()
-        for agent, messages in notifs.items():
-            agent = _text(agent)
-            for data in messages:
-                message = Message.decode(data)
-                if message is None:
-                    continue
-                try:
-                    self._on_message(agent, message)
-                except Exception:  # a bad peer message must not break our own fetch
-                    log.exception("nixl: cannot handle %s from %s", message.kind, agent)
-        return bool(notifs)
+        messages = self._agent.notifications()
+        for agent, message in messages:
+            try:
+                self._on_message(agent, message)
+            except Exception:  # a bad peer message must not break our own fetch
+                log.exception("nixl: cannot handle %s from %s", message.kind, agent)
+        return bool(messages)
 
     def _on_message(self, agent: str, message: Message) -> None:
         if message.kind == ACK:
-            with self._lock:
-                self._acks[message.token] = message
+            self._acks[message.token] = message
         elif message.kind == DONE:
-            self._run(self._leases.end(message.handle_id, message.token))
+            _run(self._leases.end(message.handle_id, message.token))
         elif message.kind == ABORT:  # the reader gave up; its READ may still be draining
-            self._run(self._leases.end(message.handle_id, message.token, grace_s=LEASE_GRACE_S))
+            _run(self._leases.end(message.handle_id, message.token, grace_s=LEASE_GRACE_S))
         elif message.kind == BEGIN:
             if agent not in self._peers:
-                metadata = unseal(message.payload)
-                if metadata is None:
-                    log.warning("nixl: BEGIN from %s carries damaged metadata; ignored", agent)
-                    return
-                with self._lock:
-                    self._agent.add_remote_agent(metadata)
+                self._agent.load(message.payload)  # the reader's connection info
                 self._peers.add(agent)
             lease_s = min(message.status, self._max_lease_s)
             tensor = self._leases.acquire(message.handle_id, message.token, lease_s)
@@ -372,10 +282,12 @@ class NixlTransport(Transport):
             if tensor is not None:
                 status, payload = OK, _ACK_PAYLOAD.pack(tensor.data_ptr(), tensor.nbytes)
             try:
-                self._send(agent, Message(ACK, status, message.handle_id, message.token, payload))
+                self._agent.notify(
+                    agent, Message(ACK, status, message.handle_id, message.token, payload)
+                )
             except KVTransferError:
                 log.warning("nixl: could not answer agent %s", agent, exc_info=True)
-                self._run(self._leases.end(message.handle_id, message.token))
+                _run(self._leases.end(message.handle_id, message.token))
 
     def _poll_loop(self) -> None:
         """Spin while a peer holds a lease; otherwise poll with a backoff up to `idle_poll_s`."""
@@ -386,7 +298,7 @@ class NixlTransport(Transport):
                 if self._pump() or self._leases.has_leases():
                     last_active, sleep_s = time.monotonic(), _MIN_POLL_S
                 if time.monotonic() >= next_expiry:
-                    self._run(self._leases.expire())
+                    _run(self._leases.expire())
                     next_expiry = time.monotonic() + 1.0
             except Exception:  # keep serving other peers; one bad message must not stop us
                 log.exception("nixl: notification poller error")
@@ -397,10 +309,6 @@ class NixlTransport(Transport):
             if time.monotonic() - last_active > _LINGER_S:
                 sleep_s = min(2 * sleep_s, self._idle_poll_s)
 
-    def _run(self, cleanups: list) -> None:
-        for cleanup in cleanups:
-            cleanup()
-
     # -- lifecycle -----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -409,45 +317,14 @@ class NixlTransport(Transport):
         self._closed = True
         self._stop.set()
         self._poller.join(timeout=5.0)
-        self._run(self._leases.close())
+        _run(self._leases.close())
         for region in [*self._outs.values(), *self._pools]:
-            self._deregister(region)
+            self._agent.deregister(region)
         self._outs.clear()
         self._pools.clear()
-        with self._lock:
-            for agent in self._peers:
-                try:
-                    self._agent.remove_remote_agent(agent)
-                except Exception:
-                    pass
-            self._agent = None
-
-    def _empty_descs(self) -> object:
-        from nixl._bindings import DRAM_SEG, nixlRegDList
-
-        return nixlRegDList(DRAM_SEG)
+        self._agent.close(self._peers)
 
 
-@dataclass(frozen=True)
-class _Ack:
-    addr: int
-    nbytes: int
-
-
-def _text(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, bytes) else name
-
-
-@contextmanager
-def _ucx_env(**settings: str) -> Iterator[None]:
-    """Set UCX variables while NIXL creates its UCX context (UCX reads them only then)."""
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def _run(cleanups: list) -> None:
+    for cleanup in cleanups:
+        cleanup()

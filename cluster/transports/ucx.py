@@ -11,7 +11,7 @@ bind every interface): workers reach each other by worker address, carried in th
 
 Protocol, for one fetch of handle H exposed by worker S into `out` on worker D:
 1. D sends BEGIN(H, token, D's address) to S's control tag.
-2. S's control thread leases H (see `_leases`), answers ACK(OK | GONE, size) on tag
+2. S's service thread leases H (see `_leases`), answers ACK(OK | GONE, size) on tag
    ACK|token, then sends H's bytes on tag DATA|token and ends the lease when the send
    completes. A released or unknown H is answered GONE: D fails fast.
 3. D probes for ACK then for DATA, and only once DATA has arrived posts the receive into
@@ -22,11 +22,12 @@ Progress: no ucxx progress thread (its blocking mode wakes up per event and halv
 bandwidth here; its polling mode burns a core per endpoint). A service thread instead
 waits in `epoll` while nothing is in flight (no CPU when idle, woken by the next message)
 and spins `progress()` while a send is in flight; a fetching thread spins `progress()`
-itself. UCX settings come from the
-constructor, else UCX_TLS / UCX_NET_DEVICES in the environment, else `self,posix,sysv` /
-`lo`; they are passed to this UCX context only (no global environment change). Endpoint
-error handling is off by default (on, loopback bandwidth falls below 1 GB/s); a dead peer
-is then noticed by the timeout.
+itself. `_ucx_worker.WorkerHost` wraps the worker, its endpoints and its sends in flight.
+
+UCX settings come from the constructor, else UCX_TLS / UCX_NET_DEVICES in the environment,
+else `self,posix,sysv` / `lo`; they go to this UCX context only (and the variables that
+`import ucxx` writes into os.environ are removed again). Endpoint error handling is off by
+default (on, loopback bandwidth falls below 1 GB/s); a dead peer is noticed by the timeout.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ import torch
 
 from aaflow.errors import KVTransferError
 
-from ._leases import ABORT, ACK, BEGIN, GONE, OK, LeaseTable, Message, lease_request, seal, unseal
-from .base import TransferHandle, Transport, TransportUnavailableError, as_bytes, package_missing
+from ._leases import ABORT, ACK, BEGIN, GONE, OK, LeaseTable, Message, lease_request
+from ._ucx_worker import Send, WorkerHost
+from .base import TransferHandle, Transport, as_bytes, package_missing
 
 log = logging.getLogger(__name__)
 _CTRL_TAG = 0xAAF0_0000_0000_0001
@@ -61,18 +63,6 @@ _IDLE_WAIT_MS = 50  # longest the idle service thread sleeps in epoll (bounds cl
 class UcxHandle(TransferHandle):
     worker_address: bytes
     """The source's UCX worker address (sealed: UCX aborts the process on a damaged one)."""
-
-
-@dataclass
-class _Send:
-    """A send in flight; a data send's lease ends when `request` completes."""
-
-    request: object
-    handle_id: str  # "" for control messages, which hold no lease
-    token: int
-    peer: bytes  # worker address of the receiver
-    keep: object  # the send buffer, which must outlive the request
-    deadline: float  # monotonic; past it the receiver is presumed gone
 
 
 class UcxTransport(Transport):
@@ -93,27 +83,15 @@ class UcxTransport(Transport):
         config = {
             "TLS": ucx_tls or os.environ.get("UCX_TLS") or "self,posix,sysv",
             "NET_DEVICES": net_devices or os.environ.get("UCX_NET_DEVICES") or "lo",
-            "RNDV_THRESH": "8192",  # what `import ucxx` would set in os.environ
+            "RNDV_THRESH": "8192",  # what `import ucxx` would put in os.environ
             "MAX_RNDV_RAILS": "1",
         }
-        ucx_api, self._array = _import_ucxx()
-        self._api = ucx_api
-        self._context = ucx_api.UCXContext(
-            config_dict=config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
-        )
-        self._worker = ucx_api.UCXWorker(self._context)
-        self._worker.init_blocking_progress_mode()
-        self._address = seal(bytes(self._worker.address.tobytes()))
-        self._error_handling = endpoint_error_handling
+        self._worker = WorkerHost(config, endpoint_error_handling)
         self._max_lease_s = max_lease_s
-        self._lock = threading.Lock()  # guards endpoints and sends
-        self._endpoints: dict[bytes, object] = {}
-        self._sends: list[_Send] = []
-        self._abandoned: list[_Send] = []
         self._leases = LeaseTable()
         self._tokens = itertools.count(random.getrandbits(48))
         self._stop = threading.Event()
-        self._server = threading.Thread(target=self._serve, name="ucx-control", daemon=True)
+        self._server = threading.Thread(target=self._serve, name="ucx-service", daemon=True)
         self._server.start()
 
     @classmethod
@@ -126,7 +104,7 @@ class UcxTransport(Transport):
     def expose(self, tensor: torch.Tensor) -> UcxHandle:
         fields = self._new_handle_fields(tensor)
         self._leases.add(fields["handle_id"], tensor, None)  # tag sends need no registration
-        return UcxHandle(**fields, worker_address=self._address)
+        return UcxHandle(**fields, worker_address=self._worker.address)
 
     def release(self, handle: TransferHandle) -> None:
         self._leases.release(getattr(handle, "handle_id", ""))
@@ -136,120 +114,66 @@ class UcxTransport(Transport):
         next_expiry = time.monotonic()
         while not self._stop.is_set():
             try:
-                message = self._receive_control()
-                if message is not None:
-                    self._on_control(message)
-                self._reap_sends()
+                probe = self._worker.probe(_CTRL_TAG)
+                if probe is not None:
+                    buffer = np.empty(probe.length, dtype=np.uint8)
+                    self._worker.receive(probe, buffer, time.monotonic() + 5.0, "control")
+                    self._on_control(Message.decode(buffer.tobytes()))
+                self._end_leases(self._worker.reap())
                 if time.monotonic() >= next_expiry:
                     self._leases.expire()
                     next_expiry = time.monotonic() + 1.0
-                if message is not None or self._sends:
+                if probe is not None or self._worker.busy():
                     self._worker.progress()  # a peer is reading: keep spinning
                 else:
-                    self._worker.progress_worker_event(epoll_timeout=_IDLE_WAIT_MS)  # GIL released
+                    self._worker.wait_for_event(_IDLE_WAIT_MS)
             except Exception:  # one bad peer must not stop the service for the others
                 log.exception("ucx: service thread error")
                 self._stop.wait(0.01)
 
-    def _receive_control(self) -> Message | None:
-        probe = self._worker.tag_probe(self._api.UCXXTag(_CTRL_TAG), remove=True)
-        if not probe.matched:
-            return None
-        buffer = np.empty(probe.length, dtype=np.uint8)
-        request = self._worker.tag_recv_with_handle(self._array(buffer), probe)
-        self._wait(request, time.monotonic() + 5.0, "control message")
-        return Message.decode(buffer.tobytes())
-
-    def _on_control(self, message: Message) -> None:
-        if message.kind == ABORT:
-            self._abandon(message.token)
+    def _on_control(self, message: Message | None) -> None:
+        if message is None:
+            return
+        if message.kind == ABORT:  # the reader gave up: cancel what we still send it
+            self._end_leases(self._worker.reap(token=message.token))
             return
         if message.kind != BEGIN:
             return
-        endpoint = self._endpoint(message.payload)
+        peer, token = message.payload, message.token
         lease_s = min(message.status, self._max_lease_s)
-        tensor = self._leases.acquire(message.handle_id, message.token, lease_s)
+        tensor = self._leases.acquire(message.handle_id, token, lease_s)
         status, size = (GONE, 0) if tensor is None else (OK, tensor.nbytes)
-        ack = Message(ACK, status, message.handle_id, message.token, _SIZE.pack(size)).encode()
-        ack_buffer = np.frombuffer(ack, dtype=np.uint8).copy()
-        ack_request = endpoint.tag_send(
-            self._array(ack_buffer), self._api.UCXXTag(_ACK_BIT | message.token)
-        )
-        self._track(
-            _Send(
-                ack_request,
-                "",
-                message.token,
-                message.payload,
-                ack_buffer,
-                time.monotonic() + _CONTROL_SEND_S,
-            )
-        )
-        if tensor is not None:
-            array = as_bytes(tensor).numpy()
-            data = endpoint.tag_send(
-                self._array(array), self._api.UCXXTag(_DATA_BIT | message.token)
-            )
-            self._track(
-                _Send(
-                    data,
-                    message.handle_id,
-                    message.token,
-                    message.payload,
-                    array,
-                    time.monotonic() + lease_s,
-                )
-            )
+        ack = Message(ACK, status, message.handle_id, token, _SIZE.pack(size))
+        try:
+            self._send_control(peer, _ACK_BIT | token, ack)
+            if tensor is not None:
+                data, deadline = as_bytes(tensor).numpy(), time.monotonic() + lease_s
+                send = Send(None, peer, data, deadline, token, (message.handle_id, token))
+                self._worker.send(peer, _DATA_BIT | token, data, send)
+        except KVTransferError:
+            if tensor is not None:
+                self._leases.end(message.handle_id, token)
+            raise
 
-    def _track(self, send: _Send) -> None:
-        with self._lock:
-            self._sends.append(send)
-
-    def _reap_sends(self) -> None:
-        """End the leases of completed sends; give up on sends past their deadline."""
-        now = time.monotonic()
-        with self._lock:
-            sends, self._sends = self._sends, []
-            for send in sends:
-                if send.request.completed:
-                    if send.handle_id:
-                        self._leases.end(send.handle_id, send.token)
-                elif send.deadline < now:
-                    self._give_up(send)
-                else:
-                    self._sends.append(send)
-
-    def _abandon(self, token: int) -> None:
-        """The reader of `token` gave up: give up our sends to it that are still stuck."""
-        with self._lock:
-            sends, self._sends = self._sends, []
-            for send in sends:
-                if send.token == token and not send.request.completed:
-                    self._give_up(send)
-                else:
-                    self._sends.append(send)
-
-    def _give_up(self, send: _Send) -> None:
-        """Drop a stuck send (caller holds the lock): closing its endpoint cancels it."""
-        endpoint = self._endpoints.pop(send.peer, None)
-        if endpoint is not None:
-            endpoint.close()  # a later BEGIN from that peer reconnects
-        self._abandoned.append(send)  # its buffer stays alive until close()
-        if send.handle_id:
-            self._leases.end(send.handle_id, send.token)
+    def _end_leases(self, leases: list[tuple[str, int]]) -> None:
+        for handle_id, token in leases:
+            self._leases.end(handle_id, token)
 
     # -- destination side ----------------------------------------------------------------------
 
     def _fetch(self, handle: TransferHandle, out: torch.Tensor, deadline: float) -> None:
         assert isinstance(handle, UcxHandle)
         token = next(self._tokens) & _TOKEN_MASK
-        begin = Message(BEGIN, lease_request(deadline), handle.handle_id, token, self._address)
-        self._send_control(handle.worker_address, begin)
+        source = handle.worker_address
+        begin = Message(
+            BEGIN, lease_request(deadline), handle.handle_id, token, self._worker.address
+        )
+        self._send_control(source, _CTRL_TAG, begin)
         try:
-            ack = self._probe(_ACK_BIT | token, deadline, "answer")
-            message = Message.decode(
-                self._receive(ack, np.empty(ack.length, np.uint8), deadline, "answer")
-            )
+            probe = self._probe(_ACK_BIT | token, deadline, "answer")
+            answer = np.empty(probe.length, dtype=np.uint8)
+            self._worker.receive(probe, answer, deadline, "answer")
+            message = Message.decode(answer.tobytes())
             if message is None or message.status != OK:
                 raise KVTransferError(
                     f"ucx: handle {handle.handle_id} is released or unknown at the source; "
@@ -257,96 +181,36 @@ class UcxTransport(Transport):
                 )
             (size,) = _SIZE.unpack(message.payload)
             if size != handle.nbytes:
-                raise KVTransferError(
-                    f"ucx: handle says {handle.nbytes} bytes, source exposed {size}"
-                )
-            data = self._probe(_DATA_BIT | token, deadline, "data")
-            if data.length != out.nbytes:
-                raise KVTransferError(
-                    f"ucx: {data.length} bytes arrived for a {out.nbytes}-byte out"
-                )
-            self._receive(data, as_bytes(out).numpy(), deadline, "data")
+                raise KVTransferError(f"ucx: handle says {handle.nbytes} bytes, source has {size}")
+            probe = self._probe(_DATA_BIT | token, deadline, "data")
+            if probe.length != out.nbytes:
+                raise KVTransferError(f"ucx: {probe.length} bytes came for {out.nbytes} of out")
+            self._worker.receive(probe, as_bytes(out).numpy(), deadline, "data")
         except Exception:
-            self._send_control(
-                handle.worker_address, Message(ABORT, 0, handle.handle_id, token), quiet=True
-            )
+            try:
+                self._send_control(source, _CTRL_TAG, Message(ABORT, 0, handle.handle_id, token))
+            except KVTransferError as err:
+                log.warning("ucx: could not send ABORT: %s", err)
             raise
-
-    def _receive(
-        self, probe: object, buffer: np.ndarray, deadline: float, what: str
-    ) -> bytes | None:
-        """Receive a probed message into `buffer`; on timeout keep `buffer` alive (UCX may
-        still write into it) and raise."""
-        request = self._worker.tag_recv_with_handle(self._array(buffer), probe)
-        try:
-            self._wait(request, deadline, what)
-        except KVTransferError:
-            with self._lock:
-                self._abandoned.append(_Send(request, "", 0, b"", buffer, 0.0))
-            raise
-        return buffer.tobytes() if buffer.nbytes <= 4096 else None
 
     def _probe(self, tag: int, deadline: float, what: str) -> object:
-        while True:
-            probe = self._worker.tag_probe(self._api.UCXXTag(tag), remove=True)
-            if probe.matched:
-                return probe
+        """Spin until the message with `tag` arrives; KVTransferError at the deadline."""
+        while (probe := self._worker.probe(tag)) is None:
             if time.monotonic() > deadline:
                 raise KVTransferError(
                     f"ucx: no {what} from the source before the timeout: "
                     "the source is gone, closed, or overloaded"
                 )
             self._worker.progress()
+        return probe
 
-    def _wait(self, request: object, deadline: float, what: str) -> None:
-        while not request.completed:
-            if time.monotonic() > deadline:
-                raise KVTransferError(f"ucx: {what} did not complete before the timeout")
-            self._worker.progress()
-        try:
-            request.check_error()
-        except Exception as err:
-            raise KVTransferError(f"ucx: {what} failed: {err!r}") from err
-
-    def _send_control(self, address: bytes, message: Message, quiet: bool = False) -> None:
-        """Send a control message to the worker at `address` without waiting for it."""
+    def _send_control(self, peer: bytes, tag: int, message: Message) -> None:
+        """Send a small control message without waiting for it to complete."""
         buffer = np.frombuffer(message.encode(), np.uint8).copy()
-        try:
-            request = self._endpoint(address).tag_send(
-                self._array(buffer), self._api.UCXXTag(_CTRL_TAG)
-            )
-        except Exception as err:
-            if quiet:
-                log.warning("ucx: could not send %s: %r", message.kind, err)
-                return
-            if isinstance(err, KVTransferError):
-                raise
-            raise KVTransferError(f"ucx: cannot send to the source: {err!r}") from err
-        self._track(
-            _Send(request, "", message.token, address, buffer, time.monotonic() + _CONTROL_SEND_S)
-        )
+        send = Send(None, peer, buffer, time.monotonic() + _CONTROL_SEND_S, message.token)
+        self._worker.send(peer, tag, buffer, send)
 
-    # -- shared --------------------------------------------------------------------------------
-
-    def _endpoint(self, address: bytes) -> object:
-        with self._lock:
-            endpoint = self._endpoints.get(address)
-        if endpoint is not None:
-            return endpoint
-        raw = unseal(address)
-        if raw is None:
-            raise KVTransferError("ucx: the worker address is damaged (checksum mismatch)")
-        try:
-            ucx_address = self._api.UCXAddress.create_from_buffer(raw)
-            endpoint = self._api.UCXEndpoint.create_from_worker_address(
-                self._worker, ucx_address, endpoint_error_handling=self._error_handling
-            )
-        except Exception as err:
-            raise KVTransferError(
-                f"ucx: cannot connect to the worker address in the handle: {err!r}"
-            ) from err
-        with self._lock:
-            return self._endpoints.setdefault(address, endpoint)
+    # -- lifecycle -----------------------------------------------------------------------------
 
     def close(self) -> None:
         if self._closed:
@@ -354,32 +218,5 @@ class UcxTransport(Transport):
         self._closed = True
         self._stop.set()
         self._server.join(timeout=5.0)
+        self._worker.close()
         self._leases.close()
-        with self._lock:
-            endpoints, self._endpoints = list(self._endpoints.values()), {}
-            self._sends.clear()
-            self._abandoned.clear()
-        for endpoint in endpoints:
-            try:
-                endpoint.close()
-            except Exception:
-                pass
-        self._worker = self._context = None
-
-
-def _import_ucxx():
-    """Import ucxx without keeping the UCX_* variables its `__init__` puts in os.environ
-    (they would also reach NIXL's UCX in the same process); ours go in the config dict."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    try:
-        import ucxx._lib.libucxx as ucx_api
-        from ucxx._lib.arr import Array
-    except ImportError as err:
-        raise TransportUnavailableError(
-            f"ucx: cannot import ucxx ({err}); pip install ucxx-cu12==0.52.0"
-        ) from err
-    finally:
-        for key in [k for k in os.environ if k.startswith("UCX_") and k not in saved]:
-            del os.environ[key]
-        os.environ.update(saved)
-    return ucx_api, Array

@@ -1,0 +1,179 @@
+"""Workflows on a real local Ray cluster: every strategy gives the text baseline's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+import aaflow as af
+
+STRATEGIES = ["text", "recompute", "transfer", "stream", "auto"]
+DOC = "Shared context: KV caches keep keys and values. " * 8
+
+
+@pytest.fixture(scope="module")
+def tiny_cluster(tiny_llama_dir):
+    cluster = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    yield cluster, str(tiny_llama_dir)
+    cluster.shutdown()
+
+
+def chain(model):
+    wf = af.Workflow("chain")
+    guide = wf.context("guide", DOC)
+    a = wf.agent("plan", model, [guide, "Plan."], max_tokens=10)
+    b = wf.agent("draft", model, [guide, a, "Draft."], max_tokens=10)
+    c = wf.agent("edit", model, [guide, b, "Edit."], max_tokens=10)
+    wf.agent("final", model, [guide, c, "Finish."], max_tokens=8)
+    return wf
+
+
+def fan_out(model):
+    wf = af.Workflow("fan-out")
+    doc = wf.context("doc", DOC)
+    root = wf.agent("analyze", model, [doc, "Analyze."], max_tokens=12)
+    for i in range(4):
+        wf.agent(f"gen{i}", model, [doc, root, f"Variant {i}."], max_tokens=8)
+    return wf
+
+
+def fan_in(model):
+    wf = af.Workflow("fan-in")
+    ups = [wf.agent(f"src{i}", model, [f"Source {i} says hello."], max_tokens=6 + i) for i in range(3)]
+    wf.agent("join", model, [*ups, "Combine."], max_tokens=8)
+    return wf
+
+
+def map_reduce(model):
+    wf = af.Workflow("map-reduce")
+    paper = wf.context("paper", DOC)
+    revs = [wf.agent(f"r{i}", model, [paper, f"Review aspect {i}."], max_tokens=10) for i in range(3)]
+    wf.agent("meta", model, [paper, *revs, "Meta-review."], max_tokens=10)
+    return wf
+
+
+@pytest.mark.parametrize("build", [chain, fan_out, fan_in, map_reduce])
+def test_every_strategy_gives_the_text_baselines_tokens(tiny_cluster, build):
+    cluster, model = tiny_cluster
+    wf = build(model)
+    baseline = af.run(wf, cluster, strategy="text")
+    assert all(a.decoded > 0 for a in baseline.agents.values())
+    for strategy in STRATEGIES[1:]:
+        res = af.run(wf, cluster, strategy=strategy)
+        for name, agent in res.agents.items():
+            assert agent.token_ids == baseline[name].token_ids, f"{wf.name}/{strategy}/{name} differs from text"
+    _assert_no_kv_left(cluster)
+
+
+def _assert_no_kv_left(cluster):
+    import ray
+
+    for r in cluster.replicas():
+        stats = ray.get(r.actor.stats.remote())
+        sessions = ray.get(r.actor.session_count.remote())
+        assert sessions == 0, f"{r.name} still has {sessions} sessions"
+        # prefix refs made by transfer/auto runs stay as cached KV objects; nothing else is held
+        assert stats["used_blocks"] >= 0
+
+
+@pytest.mark.parametrize("chunk", [1, 10_000])
+def test_streaming_prefills_upstream_tokens_while_they_are_decoded(tiny_cluster, chunk):
+    cluster, model = tiny_cluster
+    wf = chain(model)
+    baseline = af.run(wf, cluster, strategy="text")
+    res = af.run(wf, cluster, strategy="stream", chunk_tokens=chunk)
+    assert {n: a.token_ids for n, a in res.agents.items()} == {n: a.token_ids for n, a in baseline.agents.items()}
+    if chunk == 1:
+        assert res["draft"].streamed_tokens > 0, "upstream tokens must be prefilled while upstream decodes"
+    else:
+        assert res.metrics["streamed_tokens"] == 0
+
+
+def _computed(cluster) -> int:
+    import ray
+
+    return sum(ray.get(r.actor.stats.remote())["tokens_computed"] for r in cluster.replicas())
+
+
+def _cold(cluster) -> None:
+    import ray
+
+    ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
+
+
+@pytest.mark.parametrize("strategy", ["text", "auto", "stream"])
+def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strategy):
+    """Six concurrent agents share a P-token prefix: text computes 6 P; auto computes P once and
+    transfers it; stream shares it through the prefix cache of each replica (full blocks)."""
+    cluster, model = tiny_cluster
+    wf = af.Workflow("sharing")
+    doc = wf.context("doc", DOC)
+    for i in range(6):
+        wf.agent(f"a{i}", model, [doc, f"Question {i}."], max_tokens=4)
+    _cold(cluster)
+    before = _computed(cluster)
+    res = af.run(wf, cluster, strategy=strategy)
+    computed = _computed(cluster) - before
+    decode_steps = sum(a.decoded - 1 for a in res.agents.values())
+    prompts = [a.prompt_tokens for a in res.agents.values()]
+    prefix = len(DOC.encode()) + 20  # byte tokenizer: the doc plus the chat header, roughly
+    if strategy == "text":
+        assert computed == sum(prompts) + decode_steps and res.metrics["prefill_reused"] == 0
+    elif strategy == "auto":
+        shared = res["a0"].prefill_reused
+        assert shared >= len(DOC.encode()) and res.metrics["bytes_moved"] > 0
+        assert computed == shared + sum(p - shared for p in prompts) + decode_steps
+    else:
+        assert computed <= 2 * prefix + sum(prompts) - 6 * (prefix - 2 * 16) + decode_steps
+        assert res.metrics["prefill_reused"] >= 4 * (len(DOC.encode()) // 16 * 16 - 16)
+
+
+@pytest.fixture
+def fresh_cluster(tiny_llama_dir):
+    """A cluster per test: fault tests kill replicas."""
+    cluster = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    yield cluster, str(tiny_llama_dir)
+    cluster.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["text", "stream", "auto"])
+def test_a_replica_killed_mid_decode_is_recovered_with_identical_output(fresh_cluster, strategy):
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = chain(model)
+    expected = {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+    victim = cluster.replicas()[0]
+    ray.get(victim.actor.inject_fault.remote("crash", 5))  # the process exits on its 5th decode step
+    res = af.run(wf, cluster, strategy=strategy, call_timeout_s=60)
+    assert {n: a.token_ids for n, a in res.agents.items()} == expected
+    assert any("died" in e for e in res.events) and sum(a.restarts for a in res.agents.values()) >= 1
+
+
+def test_a_failed_transfer_falls_back_to_recompute(fresh_cluster):
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = fan_out(model)
+    expected = {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+    for r in cluster.replicas():
+        ray.get(r.actor.inject_fault.remote("transfer", 5))
+    res = af.run(wf, cluster, strategy="auto")
+    assert {n: a.token_ids for n, a in res.agents.items()} == expected
+    assert any("recomputing instead" in e for e in res.events)
+
+
+def test_a_failing_upstream_agent_stops_its_consumers_with_a_clear_error(fresh_cluster):
+    import time
+
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = chain(model)
+    for r in cluster.replicas():
+        ray.get(r.actor.inject_fault.remote("error", 3))
+    t0 = time.perf_counter()
+    with pytest.raises(af.AgentFailedError, match=r"agent\(s\) \['plan'\].*injected agent failure.*consumers \['draft'\]"):
+        af.run(wf, cluster, strategy="stream", call_timeout_s=30)
+    assert time.perf_counter() - t0 < 30
+    for r in cluster.replicas():
+        assert ray.get(r.actor.session_count.remote()) == 0, "sessions are closed after a failure"
