@@ -18,12 +18,18 @@ DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste comput
 
 
 def _demo(args) -> int:
+    from aaflow.demo import run_demo
+
+    return run_demo(args.workflow, args.replicas, args.dtype)
+
+
+def _chat(args) -> int:
     import torch
 
     from aaflow.engine import Engine
 
     torch.set_num_threads(args.threads)
-    print(f"aaflow demo: loading {args.model} ({args.dtype}) with the built-in engine ...", flush=True)
+    print(f"aaflow chat: loading {args.model} ({args.dtype}) with the built-in engine ...", flush=True)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model, dtype=args.dtype)
     print(f"loaded in {time.perf_counter() - t0:.1f} s from {engine.model_path}")
@@ -34,6 +40,21 @@ def _demo(args) -> int:
     print(f"prompt {len(out.prompt_token_ids)} tokens, generated {len(out.token_ids)} tokens "
           f"({out.finish_reason}); TTFT {out.ttft_s * 1e3:.0f} ms, "
           f"decode {out.decode_tokens_per_s:.1f} tokens/s, {args.threads} threads")
+    return 0
+
+
+def _run(args) -> int:
+    import aaflow as af
+
+    wf = af.load_workflow(args.workflow)
+    cluster = af.init(replicas={a.model: args.replicas for a in wf.agents()}, dtype=args.dtype)
+    try:
+        res = af.run(wf, cluster, strategy=args.strategy)
+    finally:
+        cluster.shutdown()
+    for name, agent in res.agents.items():
+        print(f"--- {name} ---\n{agent.text.strip()}\n")
+    print(res.summary())
     return 0
 
 
@@ -55,13 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aaflow", description="aaflow: a distributed KV-state workflow runtime")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="load SmolLM2 with the built-in engine and answer a chat prompt")
-    demo.add_argument("--model", default="smollm2")
+    demo = sub.add_parser("demo", help="a multi-agent review workflow on SmolLM2, two replicas, text vs auto")
+    demo.add_argument("--workflow", default=None, help="a workflow YAML (default: the shipped review)")
+    demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    demo.add_argument("--prompt", default=DEMO_QUESTION)
-    demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--threads", type=int, default=2)
     demo.set_defaults(func=_demo)
+
+    chat = sub.add_parser("chat", help="load a model with the built-in engine and answer one chat prompt")
+    chat.add_argument("--model", default="smollm2")
+    chat.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    chat.add_argument("--prompt", default=DEMO_QUESTION)
+    chat.add_argument("--max-tokens", type=int, default=64)
+    chat.add_argument("--threads", type=int, default=2)
+    chat.set_defaults(func=_chat)
+
+    run = sub.add_parser("run", help="run a workflow YAML on a local cluster and print a summary")
+    run.add_argument("workflow")
+    run.add_argument("--strategy", default="auto", choices=["auto", "text", "recompute", "transfer", "stream"])
+    run.add_argument("--replicas", type=int, default=2)
+    run.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    run.set_defaults(func=_run)
 
     fetch = sub.add_parser("fetch-model", help="fetch a registered model (e.g. smollm2) into the cache")
     fetch.add_argument("name")

@@ -74,7 +74,7 @@ def _aaflow(*args: str, env=None) -> subprocess.CompletedProcess:
 def test_cli_help_lists_commands():
     out = _aaflow("--help")
     assert out.returncode == 0
-    for command in ("demo", "fetch-model", "bench"):
+    for command in ("demo", "chat", "run", "fetch-model", "bench"):
         assert command in out.stdout
 
 
@@ -84,7 +84,7 @@ def test_cli_reports_unknown_model_without_traceback():
 
 
 @pytest.mark.smollm2
-def test_cli_demo_answers_and_prints_tokens_per_second(smollm2_dir):
-    out = _aaflow("demo", "--prompt", "What is the capital of France?", "--max-tokens", "16")
+def test_cli_chat_answers_and_prints_tokens_per_second(smollm2_dir):
+    out = _aaflow("chat", "--prompt", "What is the capital of France?", "--max-tokens", "16")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "tokens/s" in out.stdout

@@ -127,6 +127,10 @@ class RemotePeer:
     def __init__(self, actor) -> None:
         self._actor = actor
 
+    def start(self, method, *args):
+        """Call without waiting: the ObjectRef of the result."""
+        return getattr(self._actor, method).remote(*args)
+
     def __getattr__(self, method):
         import ray
 
@@ -261,6 +265,25 @@ def test_pool_slices_are_exposed_without_new_registrations(peers):
     for handle, seed in zip(handles, [1, 2, 3], strict=True):
         assert destination.fetch(handle, seed=seed)["equal"]
         source.release(handle)
+
+
+def test_simultaneous_fetches_in_both_directions(peers):
+    """Each endpoint serves a peer's fetch while it is itself fetching from that peer."""
+    a, b = peers
+    from_a, from_b = (
+        a.expose(SMOLLM2_512, "bfloat16", seed=11),
+        b.expose(SMOLLM2_512, "float32", seed=12),
+    )
+    if isinstance(a, RemotePeer):
+        import ray
+
+        refs = [b.start("fetch", from_a, 11), a.start("fetch", from_b, 12)]
+        results = ray.get(refs, timeout=120)
+    else:
+        results = [b.fetch(from_a, 11), a.fetch(from_b, 12)]
+    a.release(from_a)
+    b.release(from_b)
+    assert all(r["equal"] for r in results)
 
 
 def test_handles_are_small_and_picklable(peers):
