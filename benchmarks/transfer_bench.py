@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -162,15 +163,20 @@ def main() -> None:
         "memcpy": memcpy_bound(args.size_mib * 2**20, args.repeats, args.warmup),
         "transports": {},
     }
-    ray_module = None
+    ray_module, ray_temp_dir = None, tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp")
     if any(n != "local" for n in names):
+        # Loopback only: without this Ray 2.60 maps `_node_ip_address="127.0.0.1"` to the
+        # routable address and listens on every interface.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
+        from ray._private import ray_constants
 
+        ray_constants.ENABLE_RAY_CLUSTER = False
         ray.init(
             num_cpus=2,
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
-            _temp_dir=tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp"),
+            _temp_dir=ray_temp_dir,
             logging_level="ERROR",
             object_store_memory=2 * 2**30,
         )
@@ -184,6 +190,7 @@ def main() -> None:
     finally:
         if ray_module is not None:
             ray_module.shutdown()
+        shutil.rmtree(ray_temp_dir, ignore_errors=True)
     results["machine"]["loadavg_end"] = os.getloadavg()
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

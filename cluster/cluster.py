@@ -26,11 +26,15 @@ class ReplicaHandle:
 
 
 class Cluster:
-    """Replicas of one or more models on Ray. Build it with `af.init`; end it with `shutdown()`."""
+    """Replicas of one or more models on Ray. Build it with `af.init`; end it with `shutdown()`.
+
+    Replicas are reserved with a placement group (`placement_strategy` "PACK" or "SPREAD" across
+    nodes) and get an equal share of the CPUs; each runs its engine with that many torch threads.
+    """
 
     def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "bfloat16",
                  num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
-                 **engine_kwargs) -> None:
+                 placement_strategy: str = "PACK", **engine_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,7 +49,7 @@ class Cluster:
         total = sum(replicas.values())
         cpus = float(ray.available_resources().get("CPU", 1))
         per_replica = max(0.01, min(1.0, cpus / total))
-        self._pg = placement_group([{"CPU": per_replica}] * total, strategy="PACK")
+        self._pg = placement_group([{"CPU": per_replica}] * total, strategy=placement_strategy)
         ready, _ = ray.wait([self._pg.ready()], timeout=placement_timeout_s)
         if not ready:
             remove_placement_group(self._pg)

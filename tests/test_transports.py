@@ -8,6 +8,7 @@ only when its package is not installed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import shutil
 import sys
@@ -43,6 +44,7 @@ SPECS = [
     (SMOLLM2_512, "float32"),
 ]
 FAST_S = 5.0  # a failing fetch must raise well within this
+_RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def make_kv(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
@@ -141,7 +143,16 @@ class RemotePeer:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    """A local Ray bound to loopback only, started once for this module."""
     ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
+
+    # Ray 2.60 turns `_node_ip_address="127.0.0.1"` into the machine's routable address
+    # and its gRPC servers then listen on every interface, unless it believes it runs
+    # a single-machine cluster: then everything binds 127.0.0.1.
+    saved = os.environ.get(_RAY_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_SINGLE_MACHINE] = "0"  # inherited by Ray's own processes
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init in this process
     temp_dir = tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp")  # short: unix socket paths
     ray.init(
         num_cpus=2,
@@ -154,6 +165,11 @@ def ray_cluster():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # actors need Peer
     yield ray
     ray.shutdown()
+    ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+    if saved[0] is None:
+        os.environ.pop(_RAY_SINGLE_MACHINE, None)
+    else:
+        os.environ[_RAY_SINGLE_MACHINE] = saved[0]
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -264,6 +280,16 @@ def test_pool_slices_are_exposed_without_new_registrations(peers):
     assert source.registrations() == registered
     for handle, seed in zip(handles, [1, 2, 3], strict=True):
         assert destination.fetch(handle, seed=seed)["equal"]
+        source.release(handle)
+
+
+def test_memory_reused_after_release_is_fetched_correctly(peers):
+    """Release, free, allocate again (the allocator reuses the addresses), expose, fetch:
+    a destination must not read through a stale registration of the old tensor."""
+    source, destination = peers
+    for step, tokens in enumerate([512, 300, 700, 512, 100, 600]):
+        handle = source.expose((30, 2, tokens, 3, 64), "bfloat16", seed=step)
+        assert destination.fetch(handle, seed=step)["equal"], f"step {step}"
         source.release(handle)
 
 

@@ -177,3 +177,21 @@ def test_a_failing_upstream_agent_stops_its_consumers_with_a_clear_error(fresh_c
     assert time.perf_counter() - t0 < 30
     for r in cluster.replicas():
         assert ray.get(r.actor.session_count.remote()) == 0, "sessions are closed after a failure"
+
+
+@pytest.mark.smollm2
+def test_smollm2_review_workflow_identical_across_strategies_in_fp32(smollm2_dir):
+    from configs import CONFIG_DIR
+
+    wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
+    cluster = af.init(replicas={"smollm2": 2}, num_cpus=2, dtype="float32")
+    try:
+        baseline = af.run(wf, cluster, strategy="text")
+        for strategy in ("stream", "auto"):
+            res = af.run(wf, cluster, strategy=strategy)
+            for name, agent in res.agents.items():
+                assert agent.token_ids == baseline[name].token_ids, f"{strategy}/{name}: {agent.text!r}"
+        assert res.metrics["prefill_computed"] < baseline.metrics["prefill_computed"] / 3
+        assert res["meta"].streamed_tokens > 0
+    finally:
+        cluster.shutdown()

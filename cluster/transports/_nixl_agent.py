@@ -81,13 +81,16 @@ class AgentHost:
 
     # -- peers and notifications ---------------------------------------------------------------
 
-    def load(self, sealed_metadata: bytes) -> str:
-        """Load a peer's sealed metadata; returns the peer's agent name."""
+    def load(self, sealed_metadata: bytes, forget: str | None = None) -> str:
+        """Load a peer's sealed metadata (first dropping all we hold about agent `forget`);
+        returns the peer's agent name."""
         metadata = unseal(sealed_metadata)
         if metadata is None:
             raise KVTransferError("nixl: agent metadata is damaged (checksum mismatch)")
         try:
             with self._lock:
+                if forget is not None:
+                    self._agent.remove_remote_agent(forget)
                 return _text(self._agent.add_remote_agent(metadata))
         except Exception as err:
             raise KVTransferError(f"nixl: cannot load agent metadata: {err!r}") from err

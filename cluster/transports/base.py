@@ -53,14 +53,19 @@ class TransferHandle:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """One completed fetch, measured on the destination (wall clock around `fetch`)."""
+    """One completed fetch, measured on the destination: the wall clock around `fetch`,
+    handshake included (for a small tensor, `seconds` is the transport's latency)."""
 
     transport: str
+    """Name of the transport that moved the bytes."""
     nbytes: int
+    """Bytes copied into `out`."""
     seconds: float
+    """Wall-clock seconds of the whole fetch."""
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
+        """Effective bandwidth of this fetch, bytes per second."""
         return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
 
 
@@ -122,7 +127,8 @@ class Transport(ABC):
     ) -> TransferStats:
         """Fill `out` with the bytes of the peer's exposed tensor; return timing.
 
-        Blocking, thread-safe per call; may be called any number of times on one handle.
+        Blocking; may be called any number of times on one handle, and from several
+        threads (`nixl` runs them one at a time).
         `out` must be a contiguous CPU tensor of exactly `handle.nbytes` bytes (its dtype
         and shape are not checked: the copy is byte for byte). On any failure or after
         `timeout_s` raises KVTransferError; `out` must then be discarded.

@@ -78,6 +78,8 @@ class NixlHandle(TransferHandle):
     info (sealed: checked before NIXL parses it)."""
     reg_id: str
     """Id of that registration (destinations load its metadata once)."""
+    reg_range: tuple[int, int]
+    """(address, nbytes) of that registration in the source process."""
     addr: int
     """Address of the tensor in the source process."""
 
@@ -113,7 +115,7 @@ class NixlTransport(Transport):
         self._leases = LeaseTable()
         self._pools: list[Region] = []
         self._outs: OrderedDict[tuple[int, int], Region] = OrderedDict()
-        self._loaded: set[tuple[str, str]] = set()  # (agent, reg_id) whose metadata we hold
+        self._remote: dict[str, dict[str, tuple[int, int]]] = {}  # agent -> reg_id -> range
         self._peers: set[str] = set()  # agents we can notify
         self._acks: dict[int, Message] = {}
         self._stuck: list[tuple[object, torch.Tensor]] = []  # READs that could not be cancelled
@@ -159,6 +161,7 @@ class NixlTransport(Transport):
             agent_name=self._agent.name,
             agent_metadata=self._agent.metadata(region),
             reg_id=region.reg_id,
+            reg_range=(region.addr, region.nbytes),
             addr=tensor.data_ptr(),
         )
 
@@ -199,12 +202,21 @@ class NixlTransport(Transport):
             self._agent.deregister(self._outs.popitem(last=False)[1])
 
     def _load_peer(self, handle: NixlHandle) -> None:
-        if (handle.agent_name, handle.reg_id) in self._loaded:
+        """Load the metadata of the handle's registration once. NIXL only ever adds remote
+        registrations; one that overlaps a new one was deregistered by the source since
+        (the memory was reused), and NIXL could match READs against it, so the peer's view
+        is then rebuilt from scratch (~1 ms; `register_pool` avoids it)."""
+        loaded = self._remote.setdefault(handle.agent_name, {})
+        if handle.reg_id in loaded:
             return
-        name = self._agent.load(handle.agent_metadata)
+        start, nbytes = handle.reg_range
+        stale = any(a < start + nbytes and start < a + n for a, n in loaded.values())
+        name = self._agent.load(handle.agent_metadata, forget=handle.agent_name if stale else None)
+        if stale:
+            loaded.clear()
         if name != handle.agent_name:
             raise KVTransferError(f"nixl: handle names agent {handle.agent_name!r}, not {name!r}")
-        self._loaded.add((name, handle.reg_id))
+        loaded[handle.reg_id] = handle.reg_range
         self._peers.add(name)
 
     def _lease(self, handle: NixlHandle, token: int, deadline: float) -> tuple[int, int]:
