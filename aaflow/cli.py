@@ -11,6 +11,7 @@ BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "memory": "benchmarks.memory_bench",
     "transfer": "benchmarks.kv_transfer_bench",
+    "workflow": "benchmarks.workflow_bench",
     "compose": "benchmarks.compose_bench",
 }
 

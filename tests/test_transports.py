@@ -26,13 +26,14 @@ from cluster.transports import (
     get_transport,
     register_transport,
 )
+from cluster.transports import base as transport_base
 from cluster.transports.base import as_bytes
 from cluster.transports.local import LocalHandle
 
 BACKENDS = ["local", "ray", "nixl", "ucx"]
 
 # [layers, 2, tokens, kv_heads, head_dim]
-TINY = (2, 2, 3, 3, 7)  # 504 elements: well under a page
+TINY = (2, 2, 3, 3, 7)  # 252 elements: 504 / 1,008 bytes, well under a page
 SMOLLM2_77 = (30, 2, 77, 3, 64)  # 1,774,080 bytes in bf16: not a multiple of 4 KiB
 SMOLLM2_512 = (30, 2, 512, 3, 64)  # 11.25 MiB in bf16, 22.5 MiB in fp32
 SPECS = [
@@ -78,6 +79,10 @@ class Peer:
         view = self.pool[offset_elems : offset_elems + kv.numel()].view(shape)
         view.copy_(kv)
         return self.transport.expose(view)
+
+    def drop_pool(self):
+        self.transport.unregister_pool(self.pool)
+        self.pool = None
 
     def release(self, handle):
         self.transport.release(handle)
@@ -234,7 +239,8 @@ class _NeverInstalled(Transport):
         pass
 
 
-def test_uninstalled_and_broken_backends_are_reported_not_raised():
+def test_uninstalled_and_broken_backends_are_reported_not_raised(monkeypatch):
+    monkeypatch.setattr(transport_base, "_registry", dict(transport_base._registry))
     register_transport("never", f"{__name__}:_NeverInstalled")
     register_transport("broken", "no_such_module_aaflow:Nothing")
     report = available_transports()
@@ -281,6 +287,10 @@ def test_pool_slices_are_exposed_without_new_registrations(peers):
     for handle, seed in zip(handles, [1, 2, 3], strict=True):
         assert destination.fetch(handle, seed=seed)["equal"]
         source.release(handle)
+    source.drop_pool()  # a new pool (maybe at the old pool's address) must work too
+    handle = source.expose_from_pool(SMOLLM2_77, "bfloat16", 4, 12_345)
+    assert destination.fetch(handle, seed=4)["equal"]
+    source.release(handle)
 
 
 def test_memory_reused_after_release_is_fetched_correctly(peers):

@@ -23,6 +23,7 @@ from aaflow.runtime.results import AgentResult, RunResult
 from aaflow.workflow.graph import STRATEGIES, AgentNode
 
 SHARES_PREFIX = ("transfer", "auto")
+AUTO_MIN_SHARED_PREFIX = 64  # auto shares a prefix as KV only from this many tokens (a chat header is not worth it)
 STREAMS = ("stream", "auto")
 
 
@@ -49,7 +50,8 @@ class _Agent:
     @property
     def sampling(self) -> SamplingParams:
         n = self.node
-        return SamplingParams(max_new_tokens=n.max_tokens, temperature=n.temperature, top_p=n.top_p, seed=n.seed)
+        return SamplingParams(max_new_tokens=n.max_tokens, temperature=n.temperature, top_p=n.top_p, seed=n.seed,
+                              ignore_eos=n.ignore_eos)
 
 
 class Executor:
@@ -121,7 +123,7 @@ class Executor:
         self._place(agent)
         agent.state = "opening"
         prefix = static_prefix(agent.segments)
-        if agent.strategy in SHARES_PREFIX and prefix:
+        if agent.strategy == "transfer" or (agent.strategy == "auto" and len(prefix) >= AUTO_MIN_SHARED_PREFIX):
             self._with_prefix(agent, prefix)
             return
         self._call(agent.replica, "open", "session_open", agent.sid, then=lambda _: self._opened(agent))
@@ -254,7 +256,7 @@ class Executor:
         if r.first_token_s is None:
             r.first_token_s = t
         r.last_token_s, r.decoded = t, r.decoded + 1
-        is_eos = token in self.eos[agent.node.model]
+        is_eos = token in self.eos[agent.node.model] and not agent.node.ignore_eos
         if not is_eos:
             agent.output.append(token)
         if is_eos or r.decoded >= agent.node.max_tokens:

@@ -48,6 +48,7 @@ class AgentNode:
         temperature / top_p / seed: sampling (temperature 0 = greedy).
         unordered: the executor may order agent inputs by completion (fan-in).
         strategy: per-agent override of the run's strategy for its incoming edges.
+        ignore_eos: generate exactly max_tokens (benchmarks need equal lengths across strategies).
     """
 
     name: str
@@ -60,6 +61,7 @@ class AgentNode:
     seed: int | None = None
     unordered: bool = False
     strategy: str | None = None
+    ignore_eos: bool = False
 
     def inputs(self) -> list[str]:
         return [p.name for p in self.prompt if isinstance(p, Ref)]
@@ -99,7 +101,7 @@ class Workflow:
 
     def agent(self, name: str, model: str, prompt: list, system: str | None = None, max_tokens: int = 64,
               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, unordered: bool = False,
-              strategy: str | None = None) -> Ref:
+              strategy: str | None = None, ignore_eos: bool = False) -> Ref:
         """An agent; `prompt` parts are strings or the handles returned by context/agent/kv-op calls."""
         parts = tuple(self._part(name, p) for p in (prompt if isinstance(prompt, (list, tuple)) else [prompt]))
         if not parts:
@@ -110,7 +112,8 @@ class Workflow:
             raise WorkflowError(f"agent {name!r}: temperature must be >= 0 and top_p in (0, 1]")
         if strategy is not None and strategy not in STRATEGIES:
             raise WorkflowError(f"agent {name!r}: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-        node = AgentNode(name, model, parts, system, max_tokens, temperature, top_p, seed, unordered, strategy)
+        node = AgentNode(name, model, parts, system, max_tokens, temperature, top_p, seed, unordered, strategy,
+                         ignore_eos)
         return self._add(node, "agent")
 
     def kv_op(self, name: str, op: str, *inputs: Ref, **options) -> Ref:

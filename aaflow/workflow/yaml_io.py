@@ -20,7 +20,8 @@ from aaflow.errors import WorkflowError
 from aaflow.workflow.graph import Ref, Workflow
 
 _TOP_KEYS = {"name", "contexts", "agents"}
-_AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy"}
+_AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy",
+               "ignore_eos"}
 
 
 def _unknown(where: str, given: dict, allowed: set[str]) -> None:

@@ -120,6 +120,14 @@ class Transport(ABC):
         """
         _check_cpu_contiguous(tensor, "pool")
 
+    def unregister_pool(self, tensor: torch.Tensor) -> None:
+        """Undo `register_pool` (e.g. before replacing a buffer with a bigger one).
+
+        Release the exposures inside the pool, and let fetches into it finish, first.
+        Non-blocking; buffers that are not registered pools are ignored. Default: nothing.
+        """
+        return None
+
     # -- destination side ----------------------------------------------------------------------
 
     def fetch(

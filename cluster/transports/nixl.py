@@ -143,6 +143,12 @@ class NixlTransport(Transport):
             return
         self._pools.append(self._register(tensor))
 
+    def unregister_pool(self, tensor: torch.Tensor) -> None:
+        key = (tensor.data_ptr(), tensor.nbytes)
+        for pool in [p for p in self._pools if (p.addr, p.nbytes) == key]:
+            self._pools.remove(pool)
+            self._agent.deregister(pool)
+
     def _pool_for(self, tensor: torch.Tensor) -> Region | None:
         return next((p for p in self._pools if p.contains(tensor)), None)
 

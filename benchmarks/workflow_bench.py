@@ -1,0 +1,105 @@
+"""`aaflow bench workflow`: workflows on a two-replica SmolLM2 cluster, `text` vs aaflow strategies.
+
+* A->B microbenchmark (FlashAgents' setup scaled to SmolLM2): B's prompt is a long system prompt
+  plus A's output; `concurrency` independent pairs run at once. Metric: downstream response
+  latency = B's first token - A's first token; also B's handoff gap (B's first token - A's last).
+* map-reduce: three reviewers and a meta-reviewer over the shipped paper (repeated to ~2,000
+  tokens), end-to-end latency.
+Every measurement starts with cold prefix caches; strategies alternate inside each repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks.common import log, machine_facts, write_json
+from configs import CONFIG_DIR
+
+
+def _pair_workflow(concurrency: int, system_prompt: str, a_tokens: int):
+    import aaflow as af
+
+    wf = af.Workflow(f"a-b-x{concurrency}")
+    guide = wf.context("guide", system_prompt)
+    for i in range(concurrency):
+        a = wf.agent(f"A{i}", "smollm2", [f"Write a short paragraph about topic number {i}: the ocean."],
+                     max_tokens=a_tokens, ignore_eos=True)
+        wf.agent(f"B{i}", "smollm2", [guide, "Draft to improve:", a, "Rewrite it in one sentence."], max_tokens=16,
+                 ignore_eos=True)
+    return wf
+
+
+def _review_workflow(doc_tokens_target: int):
+    import aaflow as af
+
+    wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
+    text = (CONFIG_DIR / "workflows" / "paper.txt").read_text()
+    repeats = max(1, round(doc_tokens_target / 560))
+    raw = {"name": "review", "contexts": {"paper": "\n\n".join([text] * repeats)},
+           "agents": {a.name: {"model": a.model, "max_tokens": a.max_tokens, "ignore_eos": True,
+                               "prompt": [p if isinstance(p, str) else {"ref": p.name} for p in a.prompt]}
+                      for a in wf.agents()}}
+    return af.workflow.workflow_from_dict(raw)
+
+
+def _cold_run(cluster, wf, strategy, chunk_tokens):
+    import ray
+
+    import aaflow as af
+
+    ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
+    return af.run(wf, cluster, strategy=strategy, chunk_tokens=chunk_tokens)
+
+
+def run(args) -> dict:
+    import aaflow as af
+
+    system_prompt = "\n\n".join([(CONFIG_DIR / "workflows" / "paper.txt").read_text()] * args.system_repeats)
+    cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype)
+    report = {"benchmark": "workflow", "machine": machine_facts(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "pairs": {}}
+    try:
+        for c in args.concurrency:
+            wf = _pair_workflow(c, system_prompt, args.a_tokens)
+            samples = {s: [] for s in args.strategies}
+            for s in args.strategies:  # warm-up, not recorded
+                _cold_run(cluster, wf, s, args.chunk_tokens)
+            for _ in range(args.repeats):
+                for s in args.strategies:
+                    res = _cold_run(cluster, wf, s, args.chunk_tokens)
+                    lat = [res[f"B{i}"].first_token_s - res[f"A{i}"].first_token_s for i in range(c)]
+                    gaps = [res[f"B{i}"].handoff_gap_s for i in range(c)]
+                    samples[s].append({"response_latency_s": statistics.mean(lat), "handoff_gap_s": statistics.mean(gaps),
+                                       "wall_s": res.wall_s, "prefill_computed": res.metrics["prefill_computed"]})
+            row = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in samples.items()}
+            for s in args.strategies[1:]:
+                row[s]["speedup_vs_text"] = row["text"]["response_latency_s"] / row[s]["response_latency_s"]
+            report["pairs"][str(c)] = row
+            log(f"A->B x{c}: " + ", ".join(f"{s} {row[s]['response_latency_s']:.2f} s" for s in args.strategies)
+                + " | " + ", ".join(f"{s} {row[s]['speedup_vs_text']:.2f}x" for s in args.strategies[1:]))
+        wf = _review_workflow(args.doc_tokens)
+        samples = {s: [] for s in ("text", "auto")}
+        for _ in range(args.repeats):
+            for s in samples:
+                samples[s].append(_cold_run(cluster, wf, s, args.chunk_tokens).wall_s)
+        mr = {s: statistics.median(v) for s, v in samples.items()}
+        mr["latency_reduction"] = 1 - mr["auto"] / mr["text"]
+        report["map_reduce"] = mr
+        log(f"map-reduce: text {mr['text']:.2f} s, auto {mr['auto']:.2f} s, {mr['latency_reduction']:.0%} lower")
+    finally:
+        cluster.shutdown()
+    write_json(args.out, report)
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--strategies", nargs="+", default=["text", "stream", "auto"])
+    p.add_argument("--a-tokens", type=int, default=64, help="tokens the upstream agent A generates")
+    p.add_argument("--system-repeats", type=int, default=3, help="copies of the paper in B's system prompt")
+    p.add_argument("--doc-tokens", type=int, default=2000)
+    p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="results/workflow.json")

@@ -1,0 +1,82 @@
+"""Workflows on clusters of their own: replica faults, transfer failures, SmolLM2 end to end.
+
+Each test starts and stops its own cluster (fault tests kill replicas), so this module must not
+share Ray with a module-wide cluster.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import aaflow as af
+from tests.test_workflow_run import chain, fan_out
+
+
+@pytest.fixture
+def fresh_cluster(tiny_llama_dir):
+    """A cluster per test: fault tests kill replicas."""
+    cluster = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    yield cluster, str(tiny_llama_dir)
+    cluster.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["text", "stream", "auto"])
+def test_a_replica_killed_mid_decode_is_recovered_with_identical_output(fresh_cluster, strategy):
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = chain(model)
+    expected = {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+    victim = cluster.replicas()[0]
+    ray.get(victim.actor.inject_fault.remote("crash", 5))  # the process exits on its 5th decode step
+    res = af.run(wf, cluster, strategy=strategy, call_timeout_s=60)
+    assert {n: a.token_ids for n, a in res.agents.items()} == expected
+    assert any("died" in e for e in res.events) and sum(a.restarts for a in res.agents.values()) >= 1
+
+
+def test_a_failed_transfer_falls_back_to_recompute(fresh_cluster):
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = fan_out(model)
+    expected = {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+    for r in cluster.replicas():
+        ray.get(r.actor.inject_fault.remote("transfer", 5))
+    res = af.run(wf, cluster, strategy="auto")
+    assert {n: a.token_ids for n, a in res.agents.items()} == expected
+    assert any("recomputing instead" in e for e in res.events)
+
+
+def test_a_failing_upstream_agent_stops_its_consumers_with_a_clear_error(fresh_cluster):
+    import time
+
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = chain(model)
+    for r in cluster.replicas():
+        ray.get(r.actor.inject_fault.remote("error", 3))
+    t0 = time.perf_counter()
+    with pytest.raises(af.AgentFailedError, match=r"agent\(s\) \['plan'\].*injected agent failure.*consumers \['draft'\]"):
+        af.run(wf, cluster, strategy="stream", call_timeout_s=30)
+    assert time.perf_counter() - t0 < 30
+    for r in cluster.replicas():
+        assert ray.get(r.actor.session_count.remote()) == 0, "sessions are closed after a failure"
+
+
+@pytest.mark.smollm2
+def test_smollm2_review_workflow_identical_across_strategies_in_fp32(smollm2_dir):
+    from configs import CONFIG_DIR
+
+    wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
+    cluster = af.init(replicas={"smollm2": 2}, num_cpus=2, dtype="float32")
+    try:
+        baseline = af.run(wf, cluster, strategy="text")
+        for strategy in ("stream", "auto"):
+            res = af.run(wf, cluster, strategy=strategy)
+            for name, agent in res.agents.items():
+                assert agent.token_ids == baseline[name].token_ids, f"{strategy}/{name}: {agent.text!r}"
+        assert res.metrics["prefill_computed"] < baseline.metrics["prefill_computed"] / 3
+        assert res["meta"].streamed_tokens > 0
+    finally:
+        cluster.shutdown()
