@@ -68,6 +68,14 @@ def _fetch_model(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.name == "all":
+        for name, module_name in BENCHMARKS.items():
+            module = importlib.import_module(module_name)
+            sub = argparse.ArgumentParser()
+            module.add_arguments(sub)
+            print(f"aaflow bench all: {name} ...", flush=True)
+            module.run(sub.parse_args([]))
+        return 0
     module = importlib.import_module(BENCHMARKS[args.name])
     module.run(args)
     return 0
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         module.add_arguments(p)
         p.set_defaults(func=_bench)
+    bench_sub.add_parser("all", help="every benchmark with its defaults").set_defaults(func=_bench)
     return parser
 
 

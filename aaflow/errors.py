@@ -45,12 +45,16 @@ class KVCapacityError(AAFlowError, MemoryError):
     def __init__(self, needed_blocks: int, free_blocks: int, hint: str = "") -> None:
         self.needed_blocks = needed_blocks
         self.free_blocks = free_blocks
+        self.hint = hint
         msg = (
             f"KV pool exhausted: need {needed_blocks} blocks, {free_blocks} free. "
             "Free finished sequences, or create the engine with a larger "
             "kv_cache_bytes / num_blocks."
         )
         super().__init__(msg + (f" {hint}" if hint else ""))
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return (type(self), (self.needed_blocks, self.free_blocks, self.hint))
 
 
 class KVImportError(AAFlowError, ValueError):

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from costmodel.microbench import memcpy_bandwidth  # noqa: F401 - re-exported for benchmarks
+
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
@@ -28,14 +30,6 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tupl
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples), samples
-
-
-def memcpy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """In-process copy bandwidth (bytes/s) between preallocated buffers: the physical bound here."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    seconds, _ = median_time(lambda: dst.copy_(src), repeats, warmup=2)
-    return nbytes / seconds
 
 
 def machine_facts() -> dict:

@@ -83,6 +83,12 @@ class ModelReplica(SequenceSessions, FaultInjection):
         return {"used_blocks": s.used, "free_blocks": s.free, "cached_blocks": s.cached,
                 "tokens_computed": s.tokens_computed, "tokens_reused": s.tokens_reused, "refs": len(self._refs)}
 
+    def memcpy_bandwidth(self) -> float:
+        """In-process copy bandwidth (bytes/s) in this replica: the bound for any transfer into it."""
+        from costmodel.microbench import memcpy_bandwidth
+
+        return memcpy_bandwidth()
+
     def clear_prefix_cache(self) -> None:
         self.engine.clear_prefix_cache()
 
@@ -116,6 +122,17 @@ class ModelReplica(SequenceSessions, FaultInjection):
         from operators import fork
 
         return [self._record(r) for r in fork(self._ref(ref_id), n)]
+
+    def compose(self, ref_ids: list[str], mode: str = "exact", r: float = 0.15) -> RefRecord:
+        from operators import compose
+
+        return self._record(compose(*[self._ref(i) for i in ref_ids], mode=mode, r=r))
+
+    def pin(self, ref_id: str, ttl_s: float | None = None) -> None:
+        self.host.pin(self._ref(ref_id), ttl_s)
+
+    def unpin(self, ref_id: str) -> None:
+        self.host.unpin(self._ref(ref_id))
 
     def evict(self, ref_id: str, spill: bool | None = None) -> None:
         self.host.evict(self._ref(ref_id), spill)

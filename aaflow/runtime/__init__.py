@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from aaflow.errors import WorkflowError
-from aaflow.runtime.executor import AgentFailedError, Executor
+from aaflow.runtime.executor import Executor
+from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
 from aaflow.runtime.results import AgentResult, RunResult
 

@@ -17,18 +17,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from aaflow.engine.sampling import SamplingParams
-from aaflow.errors import AAFlowError, WorkflowError
+from aaflow.errors import WorkflowError
 from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
+from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.runtime.results import AgentResult, RunResult
 from aaflow.workflow.graph import STRATEGIES, AgentNode
 
 SHARES_PREFIX = ("transfer", "auto")
 AUTO_MIN_SHARED_PREFIX = 64  # auto shares a prefix as KV only from this many tokens (a chat header is not worth it)
 STREAMS = ("stream", "auto")
-
-
-class AgentFailedError(AAFlowError, RuntimeError):
-    """An agent failed; its consumers were stopped."""
 
 
 @dataclass
@@ -54,7 +51,7 @@ class _Agent:
                               ignore_eos=n.ignore_eos)
 
 
-class Executor:
+class Executor(Recovery):
     def __init__(self, workflow, cluster, strategy: str, builders: dict, eos: dict[str, set[int]],
                  chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None) -> None:
         if strategy not in STRATEGIES:
@@ -127,6 +124,11 @@ class Executor:
             self._with_prefix(agent, prefix)
             return
         self._call(agent.replica, "open", "session_open", agent.sid, then=lambda _: self._opened(agent))
+
+    def _open_if_ready(self, agent: _Agent) -> None:
+        """Streaming and prefix-sharing agents open at once; text / recompute once their inputs are done."""
+        if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
+            self._open(agent)
 
     def _with_prefix(self, agent: _Agent, prefix: tuple) -> None:
         """Fork the prefix's KV on the agent's replica, materializing or transferring it first."""
@@ -280,16 +282,9 @@ class Executor:
             raise
         return self._result()
 
-    def _cleanup(self, ray) -> None:
-        """After a failure: close every session still open on a live replica (bounded wait)."""
-        calls = [a.replica.actor.session_close.remote(a.sid) for a in self.agents.values()
-                 if a.replica is not None and a.replica.name not in self.dead and a.state != "done"]
-        ray.wait(calls, num_returns=len(calls), timeout=10)
-
     def _loop(self, ray) -> None:
-        for agent in self.agents.values():  # text / recompute agents open once their inputs are done
-            if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
-                self._open(agent)
+        for agent in self.agents.values():
+            self._open_if_ready(agent)
         while any(a.state != "done" for a in self.agents.values()):
             self._launch()
             if not self.inflight:
@@ -314,69 +309,19 @@ class Executor:
         self._launch_rest(ray)
 
     def _launch_rest(self, ray) -> None:
-        """Run what is still queued (session closes, releases) so that no KV outlives the run."""
+        """Run what is still queued (session closes, releases) and free the shared prefixes, so that
+        no KV outlives the run."""
+        for holders in self.prefix_refs.values():
+            for rname, ref_id in holders.items():
+                if rname not in self.dead:
+                    self._call(next(r for r in self.cluster.replicas() if r.name == rname), "close", "free", ref_id)
+        self.prefix_refs.clear()
         while any(self.queues[r.name] for r in self.cluster.replicas() if r.name not in self.dead) or self.inflight:
             self._launch()
             ready, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=self.call_timeout_s)
             for ref in ready:
                 _, then, _ = self.inflight.pop(ref)
                 then(ray.get(ref))
-
-    def _agents_on(self, rname: str) -> list[_Agent]:
-        return [a for a in self.agents.values() if a.replica is not None and a.replica.name == rname]
-
-    def _restart(self, agent: _Agent) -> None:
-        """Start an agent over from its prompt (its lineage) on a live replica."""
-        agent.result.restarts += 1
-        agent.state, agent.fed, agent.seg, agent.offset, agent.busy = "new", 0, 0, 0, False
-        agent.output, agent.result.decoded, agent.result.first_token_s = [], 0, None
-        for counter in ("prefill_computed", "prefill_reused", "streamed_tokens", "prompt_tokens"):
-            setattr(agent.result, counter, 0)
-        if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
-            self._open(agent)
-
-    def _replica_died(self, rname: str) -> None:
-        self.events.append(f"{self.now():.2f}s replica {rname} died; recomputing its agents elsewhere")
-        self.dead.add(rname)
-        self.queues[rname].clear()
-        self.inflight = {r: v for r, v in self.inflight.items() if v[0] != rname}
-        for holders in self.prefix_refs.values():
-            holders.pop(rname, None)
-        self.prefix_waiters = {k: v for k, v in self.prefix_waiters.items() if k[-1] != rname}
-        self.transferring = {k: v for k, v in self.transferring.items() if k[-1] != rname}
-        orphaned = {p for p, origin in self.prefix_origin.items() if origin == rname}
-        for prefix in orphaned:  # whoever waited for the dead replica's prefix computes it now
-            del self.prefix_origin[prefix]
-            for key in [k for k in self.prefix_waiters if k[:-1] == prefix]:
-                for agent in self.prefix_waiters.pop(key):
-                    self._with_prefix(agent, prefix)
-        lost = [a for a in self._agents_on(rname) if a.state != "done"]
-        for agent in lost:
-            self._restart(agent)
-            for name in agent.consumers:  # they streamed tokens that will be produced again
-                consumer = self.agents[name]
-                if consumer.state not in ("new", "done") and consumer not in lost and consumer.fed:
-                    self._call(consumer.replica, "close", "session_close", consumer.sid)
-                    self._restart(consumer)
-
-    def _call_failed(self, rname: str, kind: str, exc: BaseException, involved: list[str]) -> None:
-        if kind == "transfer":  # fall back to recomputing the prefix where it was going
-            self.events.append(f"{self.now():.2f}s transfer via {rname} failed ({exc}); recomputing instead")
-            for key, pending in list(self.transferring.items()):
-                del self.transferring[key]
-                if pending is not None:
-                    source, handle, transport = pending
-                    self._call(source, "transfer", "release", handle, transport)
-                prefix, dest = key[:-1], next(r for r in self.cluster.replicas() if r.name == key[-1])
-                self._call(dest, "prefill", "materialize", list(prefix),
-                           then=lambda rec, p=prefix, r=dest: self._prefix_ready(p, r, rec.id, 0))
-            return
-        failed = involved or [a.node.name for a in self._agents_on(rname) if a.state != "done"]
-        waiting = sorted({c for name in failed for c in self.agents[name].consumers})
-        raise AgentFailedError(
-            f"agent(s) {failed} on replica {rname} failed: {type(exc).__name__}: {exc}; "
-            f"their consumers {waiting} were stopped"
-        ) from exc
 
     def _result(self) -> RunResult:
         for agent in self.agents.values():

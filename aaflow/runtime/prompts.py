@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from aaflow.errors import WorkflowError
 from aaflow.workflow.graph import AgentNode, ContextNode, Ref, Workflow
 
 _PLACEHOLDER = "\u2063AAFLOW_PROMPT\u2063"
@@ -65,7 +66,8 @@ class PromptBuilder:
             elif isinstance(part, Ref) and isinstance(wf.nodes[part.name], AgentNode):
                 out.append(AgentInput(part.name))
             else:
-                raise NotImplementedError(f"agent {agent.name!r}: KV operator nodes in prompts are not executed yet")
+                raise WorkflowError(f"agent {agent.name!r}: KV operator nodes in prompts are declared by the DSL "
+                                    "but not executed by the runtime yet; use contexts and agent outputs")
         out.append(tail)
         merged: list[Segment] = [out[0]]
         for seg in out[1:]:

@@ -1,0 +1,71 @@
+"""The operator functions of `import aaflow as af`: one name each, for local hosts and clusters.
+
+`af.materialize(host_or_engine, text)` works in process (a `KVHost`, or an `Engine`, which gets a
+host on first use); `af.materialize(cluster, "smollm2", text)` on a Ray cluster. The other
+operators follow the ref they are given.
+"""
+
+from __future__ import annotations
+
+
+def _is_remote(kv) -> bool:
+    return type(kv).__name__ == "RemoteKVRef"
+
+
+def host_of(engine):
+    """The `KVHost` of an in-process engine (made on first use)."""
+    from operators import KVHost
+
+    if not hasattr(engine, "kv_host"):
+        engine.kv_host = KVHost(engine)
+    return engine.kv_host
+
+
+def materialize(target, *args, **kwargs):
+    """Prefill a context and return its KVRef: `(cluster, model, text)` or `(host_or_engine, text)`."""
+    from cluster.cluster import Cluster
+
+    if isinstance(target, Cluster):
+        from cluster import remote
+
+        return remote.materialize(target, *args, **kwargs)
+    import operators
+
+    host = target if isinstance(target, operators.KVHost) else host_of(target)
+    return operators.materialize(host, *args, **kwargs)
+
+
+def _dispatch(name: str):
+    def op(kv, *args, **kwargs):
+        first = kv if not isinstance(kv, (list, tuple)) else kv[0]
+        if _is_remote(first):
+            from cluster import remote
+
+            return getattr(remote, name)(kv, *args, **kwargs)
+        import operators
+
+        return getattr(operators, name)(kv, *args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = f"`{name}` on a local or a cluster KVRef (see operators.{name})."
+    return op
+
+
+transfer = _dispatch("transfer")
+fork = _dispatch("fork")
+evict = _dispatch("evict")
+free = _dispatch("free")
+pin = _dispatch("pin")
+unpin = _dispatch("unpin")
+generate = _dispatch("generate")
+
+
+def compose(*kvs, **kwargs):
+    """Compose local or cluster KVRefs (see operators.compose)."""
+    if kvs and _is_remote(kvs[0]):
+        from cluster import remote
+
+        return remote.compose(*kvs, **kwargs)
+    import operators
+
+    return operators.compose(*kvs, **kwargs)
