@@ -72,12 +72,6 @@ class ModelReplica(SequenceSessions, FaultInjection):
         return {"name": self.name, "model": self.model, "fingerprint": self.engine.fingerprint,
                 "pid": os.getpid(), "bytes_per_token": self.host.spec.bytes_per_token}
 
-    def node_id(self) -> str:
-        """The Ray node this replica runs on (tests check placement across nodes)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
     def stats(self) -> dict:
         s = self.engine.stats()
         return {"used_blocks": s.used, "free_blocks": s.free, "cached_blocks": s.cached,

@@ -18,8 +18,6 @@ from aaflow.engine.sampling import Sampler, SamplingParams
 class _Session:
     seq_id: int
     sampler: Sampler | None = None
-    computed: int = 0  # prompt tokens computed by a forward pass
-    reused: int = 0  # prompt tokens served by the prefix cache or a fork
     generated: list[int] = field(default_factory=list)
 
 
@@ -46,8 +44,6 @@ class SequenceSessions:
         before = self.engine.stats().tokens_computed
         logits = self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix)
         computed = self.engine.stats().tokens_computed - before
-        s.computed += computed
-        s.reused += len(token_ids) - computed
         out = {"computed": computed, "reused": len(token_ids) - computed, "seconds": time.perf_counter() - t0}
         if sampling is not None:
             s.sampler = Sampler(sampling)
@@ -67,33 +63,11 @@ class SequenceSessions:
             tokens.append(token)
         return tokens
 
-    def session_counters(self, sid: str) -> dict:
-        s = self._sessions()[sid]
-        return {"computed": s.computed, "reused": s.reused, "generated": len(s.generated)}
-
-    def session_close(self, sid: str, keep_as_ref: bool = False):
-        """End a session; with `keep_as_ref` its KV becomes a KVRef here (returns its record)."""
+    def session_close(self, sid: str) -> None:
+        """End a session and free its blocks; closing an unknown or closed session does nothing."""
         s = self._sessions().pop(sid, None)
-        if s is None:
-            return None
-        if keep_as_ref:
-            from operators import Lineage
-
-            return self._record(self.host.register(s.seq_id, Lineage("generate")))
-        self.engine.free(s.seq_id)
-        return None
+        if s is not None:
+            self.engine.free(s.seq_id)
 
     def session_count(self) -> int:
         return len(self._sessions())
-
-    def decode_text(self, token_ids: list[int]) -> str:
-        return self.engine.decode_text(token_ids)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def eos_token_ids(self) -> list[int]:
-        eos = set(self.engine.config.eos_token_ids)
-        if self.engine.tokenizer.eos_token_id is not None:
-            eos.add(self.engine.tokenizer.eos_token_id)
-        return sorted(eos)
