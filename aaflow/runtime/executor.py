@@ -319,9 +319,14 @@ class Executor(Recovery):
         while any(self.queues[r.name] for r in self.cluster.replicas() if r.name not in self.dead) or self.inflight:
             self._launch()
             ready, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=self.call_timeout_s)
+            if not ready:
+                break
             for ref in ready:
-                _, then, _ = self.inflight.pop(ref)
-                then(ray.get(ref))
+                rname, then, _ = self.inflight.pop(ref)
+                try:
+                    then(ray.get(ref))
+                except ray.exceptions.RayActorError:  # died after its agents finished: nothing to free
+                    self.dead.add(rname)
 
     def _result(self) -> RunResult:
         for agent in self.agents.values():
