@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from aaflow.engine.outputs import GenerationOutput
 from aaflow.engine.sampling import Sampler, SamplingParams
 

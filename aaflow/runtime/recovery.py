@@ -8,7 +8,12 @@ stops the run with an error naming it and the consumers that will not run.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aaflow.errors import AAFlowError
+
+if TYPE_CHECKING:
+    from aaflow.runtime.executor import _Agent
 
 
 class AgentFailedError(AAFlowError, RuntimeError):
