@@ -165,13 +165,11 @@ def main() -> None:
     }
     ray_module, ray_temp_dir = None, tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp")
     if any(n != "local" for n in names):
-        # Loopback only: without this Ray 2.60 maps `_node_ip_address="127.0.0.1"` to the
-        # routable address and listens on every interface.
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
-        from ray._private import ray_constants
 
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        from cluster.actors import loopback_only
+
+        loopback_only()  # without it Ray 2.60 listens on every interface
         ray.init(
             num_cpus=2,
             _node_ip_address="127.0.0.1",

@@ -21,7 +21,7 @@ def default_temp_dir() -> str:
     return str(path)
 
 
-def _loopback_only() -> None:
+def loopback_only() -> None:
     """Ray 2.60 replaces `_node_ip_address="127.0.0.1"` by the machine's routable address and its
     gRPC servers then listen on every interface, unless it believes it runs a single-machine
     cluster: then every Ray process binds 127.0.0.1 (checked with `ss -ltnp`)."""
@@ -41,7 +41,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     if address is not None:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
-        _loopback_only()
+        loopback_only()
         ray.init(num_cpus=num_cpus or os.cpu_count(), _node_ip_address="127.0.0.1", include_dashboard=False,
                  _temp_dir=temp_dir or default_temp_dir(), runtime_env=env, log_to_driver=False)
     return ray

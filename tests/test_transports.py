@@ -152,12 +152,10 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants
 
-    # Ray 2.60 turns `_node_ip_address="127.0.0.1"` into the machine's routable address
-    # and its gRPC servers then listen on every interface, unless it believes it runs
-    # a single-machine cluster: then everything binds 127.0.0.1.
+    from cluster.actors import loopback_only
+
     saved = os.environ.get(_RAY_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_RAY_SINGLE_MACHINE] = "0"  # inherited by Ray's own processes
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init in this process
+    loopback_only()  # restored below, so later modules see Ray's defaults
     temp_dir = tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp")  # short: unix socket paths
     ray.init(
         num_cpus=2,
