@@ -1,4 +1,4 @@
-"""Helpers every benchmark shares: medians of repeats, memcpy bandwidth, JSON output, machine facts."""
+"""Helpers every benchmark shares: medians of repeats, JSON output, machine facts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from costmodel.microbench import memcpy_bandwidth  # noqa: F401 - re-exported for benchmarks
 
 
 def log(msg: str) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import log, machine_facts, median_time, memcpy_bandwidth, write_json
+from benchmarks.common import log, machine_facts, median_time, write_json
+from costmodel.microbench import memcpy_bandwidth
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
