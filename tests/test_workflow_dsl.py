@@ -62,6 +62,31 @@ def test_yaml_round_trip_with_forward_references():
     assert wf.nodes["planner"].max_tokens == 16
 
 
+def test_yaml_kv_operator_nodes_expand_into_the_prompt():
+    wf = workflow_from_dict({
+        "contexts": {"guide": "A style guide."},
+        "kv_ops": {"shared": {"op": "fork", "inputs": ["guide"]}, "drop": {"op": "evict", "inputs": ["shared"]}},
+        "agents": {"a": {"model": "m", "prompt": [{"ref": "shared"}, "Go."]}},
+    })
+    from aaflow.runtime.kvops import directive, evicted_contexts
+    from aaflow.runtime.prompts import prompt_leaves
+
+    agent = wf.nodes["a"]
+    assert [getattr(x, "name", x) for x in prompt_leaves(wf, agent)] == ["guide", "Go."]
+    assert directive(wf, agent).share_prefix and evicted_contexts(wf) == {"guide"}
+
+
+def test_evict_node_is_not_a_prompt_part():
+    from aaflow.runtime.prompts import prompt_leaves
+
+    wf = af.Workflow("w")
+    doc = wf.context("doc", "text")
+    drop = wf.kv_op("drop", "evict", doc)
+    wf.agent("a", "m", [drop, "Go."])
+    with pytest.raises(af.WorkflowError, match="evict node 'drop' cannot be a prompt part"):
+        prompt_leaves(wf, wf.nodes["a"])
+
+
 @pytest.mark.parametrize("raw, match", [
     ({"name": "w", "agentz": {}}, "unknown key 'agentz'"),
     ({"agents": {"a": {"model": "m", "prompt": ["x"], "max_token": 3}}}, "agent 'a': unknown key 'max_token'"),
@@ -72,6 +97,10 @@ def test_yaml_round_trip_with_forward_references():
     ({"agents": {"a": {"model": "m", "prompt": [{"reff": "b"}]}}}, "unknown key 'reff'"),
     ({"contexts": {"c": {"file": "missing.txt"}}, "agents": {}}, "file .*missing.txt does not exist"),
     ({"contexts": {"c": "x"}}, "has no agents"),
+    ({"contexts": {"c": "x"}, "kv_ops": {"k": {"op": "fork", "inputs": ["c"], "replicas": "r"}}, "agents": {}},
+     "kv op 'k': unknown key 'replicas'"),
+    ({"contexts": {"c": "x"}, "kv_ops": {"k": {"op": "teleport", "inputs": ["c"]}}, "agents": {}}, "teleport"),
+    ({"kv_ops": {"k": {"op": "fork", "inputs": ["ghost"]}}, "agents": {}}, "'k' refers to unknown node 'ghost'"),
 ])
 def test_yaml_validation_errors(raw, match, tmp_path):
     with pytest.raises(af.WorkflowError, match=match):

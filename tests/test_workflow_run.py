@@ -123,3 +123,62 @@ def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strateg
     else:
         assert computed <= 2 * prefix + sum(prompts) - 6 * (prefix - 2 * 16) + decode_steps
         assert res.metrics["prefill_reused"] >= 4 * (len(DOC.encode()) // 16 * 16 - 16)
+
+
+def test_kv_operator_nodes_share_place_and_evict(tiny_cluster):
+    """A fork node shares the context's KV even under `stream`; a transfer node places its agent;
+    an evict node frees the shared prefix once both agents forked it; tokens equal `text`."""
+    cluster, model = tiny_cluster
+    target = cluster.replicas()[1].name
+
+    def build(with_ops: bool):
+        wf = af.Workflow("kv-ops")
+        doc = wf.context("doc", DOC)
+        shared = wf.kv_op("shared", "fork", doc) if with_ops else doc
+        moved = wf.kv_op("moved", "transfer", doc, replica=target) if with_ops else doc
+        a = wf.agent("a", model, [shared, "First."], max_tokens=6)
+        wf.agent("b", model, [moved, a, "Second."], max_tokens=6)
+        if with_ops:
+            wf.kv_op("drop", "evict", doc)
+        return wf
+
+    baseline = af.run(build(False), cluster, strategy="text")
+    res = af.run(build(True), cluster, strategy="stream")
+    for name in ("a", "b"):
+        assert res[name].token_ids == baseline[name].token_ids
+    assert res["b"].replica == target and res["a"].strategy == "transfer+stream"
+    assert res["a"].prefill_reused >= len(DOC.encode()) and res["b"].prefill_reused >= len(DOC.encode())
+    assert any("evicted a shared prefix" in e for e in res.events)
+    _assert_no_kv_left(cluster)
+
+
+def test_transfer_node_to_an_unknown_replica_is_refused(tiny_cluster):
+    cluster, model = tiny_cluster
+    wf = af.Workflow("bad-target")
+    doc = wf.context("doc", DOC)
+    wf.agent("a", model, [wf.kv_op("moved", "transfer", doc, replica="nowhere-7"), "Go."], max_tokens=2)
+    with pytest.raises(af.WorkflowError, match="nowhere-7"):
+        af.run(wf, cluster)
+
+
+@pytest.mark.parametrize("strategy", ["text", "stream", "auto"])
+def test_unordered_inputs_follow_completion_and_match_recomputing_that_prompt(tiny_cluster, strategy):
+    """`unordered=True`: the fan-in agent reads its inputs in completion order (the short one
+    first); its tokens equal an ordered run of the prompt in the order it recorded."""
+    cluster, model = tiny_cluster
+
+    def build(order, unordered):
+        wf = af.Workflow("unordered")
+        ups = {f"u{i}": wf.agent(f"u{i}", model, [f"Source {i}."], max_tokens=n, ignore_eos=True)
+               for i, n in enumerate((14, 3))}
+        wf.agent("join", model, [*(ups[n] for n in order), "Combine."], max_tokens=6, unordered=unordered)
+        return wf
+
+    res = af.run(build(["u0", "u1"], True), cluster, strategy=strategy)
+    order = res["join"].input_order
+    assert sorted(order) == ["u0", "u1"]
+    if strategy != "text":  # u1 (3 tokens) finishes long before u0 (14)
+        assert order == ["u1", "u0"]
+    ordered = af.run(build(order, False), cluster, strategy="text")
+    assert res["join"].token_ids == ordered["join"].token_ids
+    _assert_no_kv_left(cluster)

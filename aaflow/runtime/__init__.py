@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aaflow.errors import WorkflowError
 from aaflow.runtime.executor import Executor
+from aaflow.runtime.kvops import check_replicas
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
 from aaflow.runtime.results import AgentResult, RunResult
@@ -53,6 +54,7 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
         transport: KV transport between replicas ("ray", "nixl", "ucx"); default "ray".
     """
     workflow.validate(served_models=cluster.models)
+    check_replicas(workflow, {r.name for r in cluster.replicas()})
     builders, eos, limits = _builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits)
     return Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport).run()

@@ -7,7 +7,10 @@ Per incoming-edge strategy of an agent:
              same replica, transferred to others; the rest is prefilled when the inputs are done;
   stream     the static prefix is prefilled at once; upstream tokens are prefilled in chunks while
              the upstream still decodes (position-stable segments only); the remainder at its end;
-  auto       transfer's prefix sharing + stream's overlap (the documented rule until the planner).
+  transfer+stream  both;
+  auto       per agent, the strategy the planner chose (`decisions`); without a plan, transfer+stream
+             for prefixes of at least AUTO_MIN_SHARED_PREFIX tokens and stream otherwise.
+Explicit KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top.
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ from dataclasses import dataclass, field
 
 from aaflow.engine.sampling import SamplingParams
 from aaflow.errors import WorkflowError
-from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
+from aaflow.runtime.kvops import KVDirective, directive, evicted_contexts
+from aaflow.runtime.prompts import AgentInput, Segment, prompt_leaves, reorder_by_completion, static_prefix
+from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.runtime.results import AgentResult, RunResult
-from aaflow.workflow.graph import STRATEGIES, AgentNode
+from aaflow.workflow.graph import STRATEGIES, AgentNode, ContextNode
 
-SHARES_PREFIX = ("transfer", "auto")
+SHARES_PREFIX = ("transfer", "transfer+stream", "auto")
 AUTO_MIN_SHARED_PREFIX = 64  # auto shares a prefix as KV only from this many tokens (a chat header is not worth it)
-STREAMS = ("stream", "auto")
+STREAMS = ("stream", "transfer+stream", "auto")
 
 
 @dataclass
@@ -35,6 +40,8 @@ class _Agent:
     segments: list[Segment]
     consumers: list[str]
     result: AgentResult
+    kv: KVDirective = KVDirective()
+    evicts_prefix: bool = False  # its prefix holds a context an evict node names
     replica: object = None
     sid: str = ""
     state: str = "new"  # new -> opening -> open -> decoding -> done
@@ -51,9 +58,10 @@ class _Agent:
                               ignore_eos=n.ignore_eos)
 
 
-class Executor(Recovery):
+class Executor(PrefixSharing, Recovery):
     def __init__(self, workflow, cluster, strategy: str, builders: dict, eos: dict[str, set[int]],
-                 chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None) -> None:
+                 chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
+                 decisions: dict[str, str] | None = None) -> None:
         if strategy not in STRATEGIES:
             raise WorkflowError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         self.wf, self.cluster, self.strategy, self.builders = workflow, cluster, strategy, builders
@@ -62,10 +70,16 @@ class Executor(Recovery):
         self.start = time.perf_counter()
         self.events: list[str] = []
         self.agents: dict[str, _Agent] = {}
+        evicted = evicted_contexts(workflow)
         for node in workflow.agents():
-            consumers = [a.name for a in workflow.agents() if node.name in a.inputs()]
+            consumers = [a.name for a in workflow.agents() if node.name in a.upstream(workflow)]
             segs = builders[node.model].segments(workflow, node)
-            self.agents[node.name] = _Agent(node, node.strategy or strategy, segs, consumers, AgentResult(node.name))
+            chosen = node.strategy or (decisions or {}).get(node.name) or strategy
+            agent = _Agent(node, chosen, segs, consumers, AgentResult(node.name), directive(workflow, node))
+            if agent.kv.share_prefix and chosen in ("recompute", "stream"):
+                agent.strategy = "transfer" if chosen == "recompute" else "transfer+stream"
+            agent.evicts_prefix = bool(evicted & _leading_contexts(workflow, node))
+            self.agents[node.name] = agent
         self.queues: dict[str, deque] = {r.name: deque() for r in cluster.replicas()}
         self.inflight: dict = {}  # ObjectRef -> (replica name, callback, kind)
         self.involved: dict = {}  # ObjectRef -> names of the agents a call works for
@@ -86,7 +100,8 @@ class Executor(Recovery):
             raise AgentFailedError(f"agent {agent.node.name!r}: no live replica serves {agent.node.model!r}")
         load = {r.name: sum(1 for a in self.agents.values() if a.replica is r and a.state != "done") for r in alive}
         holders = self.prefix_refs.get(static_prefix(agent.segments), {})
-        best = min(alive, key=lambda r: load[r.name] - (1.5 if r.name in holders else 0))
+        best = min(alive, key=lambda r: load[r.name] - (1.5 if r.name in holders else 0)
+                   - (100 if r.name == agent.kv.replica else 0))
         agent.replica, agent.result.replica = best, best.name
         agent.sid = f"{agent.node.name}#{agent.result.restarts}"
         agent.result.strategy = agent.strategy
@@ -120,7 +135,8 @@ class Executor(Recovery):
         self._place(agent)
         agent.state = "opening"
         prefix = static_prefix(agent.segments)
-        if agent.strategy == "transfer" or (agent.strategy == "auto" and len(prefix) >= AUTO_MIN_SHARED_PREFIX):
+        shares = agent.strategy in SHARES_PREFIX and agent.strategy != "auto"
+        if shares or agent.kv.share_prefix or (agent.strategy == "auto" and len(prefix) >= AUTO_MIN_SHARED_PREFIX):
             self._with_prefix(agent, prefix)
             return
         self._call(agent.replica, "open", "session_open", agent.sid, then=lambda _: self._opened(agent))
@@ -130,60 +146,14 @@ class Executor(Recovery):
         if agent.strategy in STREAMS + SHARES_PREFIX or self._inputs_done(agent):
             self._open(agent)
 
-    def _with_prefix(self, agent: _Agent, prefix: tuple) -> None:
-        """Fork the prefix's KV on the agent's replica, materializing or transferring it first."""
-        holders = self.prefix_refs.setdefault(prefix, {})
-        rname = agent.replica.name
-        if rname in holders:
-            self._call(agent.replica, "open", "session_open", agent.sid, holders[rname],
-                       then=lambda _: self._opened(agent, prefix_len=len(prefix)))
-            return
-        waiting = self.prefix_waiters.setdefault(prefix + (rname,), [])
-        waiting.append(agent)
-        if len(waiting) > 1:
-            return
-        source = next((r for r in self.cluster.replicas() if r.name in holders and r.name not in self.dead), None)
-        if source is not None:
-            self._transfer_prefix(prefix, source, agent.replica, holders[source.name])
-        elif prefix not in self.prefix_origin:  # compute it once; other replicas wait to receive it
-            self.prefix_origin[prefix] = agent.replica.name
-            self._call(agent.replica, "prefill", "materialize", list(prefix),
-                       then=lambda rec: self._prefix_ready(prefix, agent.replica, rec.id, 0))
-
-    def _transfer_prefix(self, prefix: tuple, source, dest, ref_id: str) -> None:
-        transport = self.transport or "ray"
-        key = prefix + (dest.name,)
-        self.transferring[key] = None
-
-        def received(res) -> None:
-            self.transferring.pop(key, None)
-            self._call(source, "transfer", "release", handle_of[0], transport)
-            self._prefix_ready(prefix, dest, res[0].id, res[1].nbytes)
-
-        def exposed(out) -> None:
-            handle, shape, record = out
-            handle_of.append(handle)
-            self.transferring[key] = (source, handle, transport)
-            self._call(dest, "transfer", "receive", handle, shape, record, transport, then=received)
-
-        handle_of: list = []
-        self._call(source, "transfer", "expose", ref_id, transport, then=exposed)
-
-    def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
-        self.prefix_refs.setdefault(prefix, {})[replica.name] = ref_id
-        for agent in self.prefix_waiters.pop(prefix + (replica.name,), []):
-            agent.result.bytes_moved += nbytes
-            self._with_prefix(agent, prefix)
-        for key, waiters in list(self.prefix_waiters.items()):  # replicas waiting for this prefix
-            if key[:-1] == prefix and waiters and key not in self.transferring:
-                self._transfer_prefix(prefix, replica, waiters[0].replica, ref_id)
-
     def _opened(self, agent: _Agent, prefix_len: int = 0) -> None:
         agent.state = "open"
         if prefix_len:
             agent.fed, agent.seg, agent.offset = prefix_len, 1, 0
             agent.result.prefill_reused += prefix_len
             agent.result.prompt_tokens += prefix_len
+            if agent.evicts_prefix:
+                self._evict_if_forked(static_prefix(agent.segments))
         self._advance(agent)
 
     def _feedable(self, agent: _Agent) -> tuple[list[int], bool, int]:
@@ -191,6 +161,9 @@ class Executor(Recovery):
         and how many of them come from upstream agents still decoding."""
         ids: list[int] = []
         streamed = 0
+        if agent.node.unordered and agent.offset == 0:
+            finished = sorted((a.result.last_token_s, n) for n, a in self.agents.items() if a.state == "done")
+            agent.segments = reorder_by_completion(agent.segments, agent.seg, [n for _, n in finished])
         for i in range(agent.seg, len(agent.segments)):
             seg = agent.segments[i]
             start = agent.offset if i == agent.seg else 0
@@ -198,6 +171,9 @@ class Executor(Recovery):
                 ids.extend(seg[start:])
                 continue
             producer = self.agents[seg.agent]
+            later = [s for s in agent.segments[i + 1:] if isinstance(s, AgentInput)]
+            if agent.node.unordered and producer.state != "done" and start == 0 and later:
+                return ids, False, streamed  # another input may finish first and take this slot
             ids.extend(producer.output[start:])
             if producer.state != "done":
                 streamed += len(producer.output) - start
@@ -336,5 +312,16 @@ class Executor(Recovery):
             ups = [self.agents[s.agent].result.last_token_s for s in agent.segments if isinstance(s, AgentInput)]
             if ups and r.first_token_s is not None:
                 r.handoff_gap_s = r.first_token_s - max(ups)
+            r.input_order = [s.agent for s in agent.segments if isinstance(s, AgentInput)]
         return RunResult(self.wf.name, self.strategy, {n: a.result for n, a in self.agents.items()},
                          self.now(), self.events)
+
+
+def _leading_contexts(wf, node: AgentNode) -> set[str]:
+    """Names of the contexts in the agent's static prefix."""
+    names: set[str] = set()
+    for leaf in prompt_leaves(wf, node):
+        if not isinstance(leaf, ContextNode):
+            break
+        names.add(leaf.name)
+    return names

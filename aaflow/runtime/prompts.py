@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from aaflow.errors import WorkflowError
-from aaflow.workflow.graph import AgentNode, ContextNode, Ref, Workflow
+from aaflow.workflow.graph import AgentNode, ContextNode, KVOpNode, Ref, Workflow
 
 _PLACEHOLDER = "\u2063AAFLOW_PROMPT\u2063"
 
@@ -51,23 +51,20 @@ class PromptBuilder:
         head, tail = self.frame(agent.system)
         out: list[Segment] = [head]
         shared = True
-        for i, part in enumerate(agent.prompt):
-            is_context = isinstance(part, Ref) and isinstance(wf.nodes[part.name], ContextNode)
+        for i, part in enumerate(prompt_leaves(wf, agent)):
+            is_context = isinstance(part, ContextNode)
             shared = shared and is_context
             if shared:
-                out[0] = out[0] + (self.separator if i else ()) + tuple(self._ids(wf.nodes[part.name].text))
+                out[0] = out[0] + (self.separator if i else ()) + tuple(self._ids(part.text))
                 continue
             if i:
                 out.append(self.separator)
             if isinstance(part, str):
                 out.append(tuple(self._ids(part)))
-            elif isinstance(part, Ref) and isinstance(wf.nodes[part.name], ContextNode):
-                out.append(tuple(self._ids(wf.nodes[part.name].text)))
-            elif isinstance(part, Ref) and isinstance(wf.nodes[part.name], AgentNode):
-                out.append(AgentInput(part.name))
+            elif is_context:
+                out.append(tuple(self._ids(part.text)))
             else:
-                raise WorkflowError(f"agent {agent.name!r}: KV operator nodes in prompts are declared by the DSL "
-                                    "but not executed by the runtime yet; use contexts and agent outputs")
+                out.append(AgentInput(part.name))
         out.append(tail)
         merged: list[Segment] = [out[0]]
         for seg in out[1:]:
@@ -78,9 +75,43 @@ class PromptBuilder:
         return merged
 
 
+def prompt_leaves(wf: Workflow, agent: AgentNode) -> list[Union[str, ContextNode, AgentNode]]:
+    """The agent's prompt parts with KV operator nodes expanded into what they carry: a fork,
+    transfer or compose of contexts / agent outputs reads as those parts, in order."""
+    leaves: list[Union[str, ContextNode, AgentNode]] = []
+
+    def expand(part) -> None:
+        node = wf.nodes[part.name] if isinstance(part, Ref) else part
+        if isinstance(node, KVOpNode):
+            if node.op == "evict":
+                raise WorkflowError(f"agent {agent.name!r}: evict node {node.name!r} cannot be a prompt part; "
+                                    "it only declares when KV may be dropped")
+            for name in node.inputs:
+                expand(Ref(name, "kvop"))
+        else:
+            leaves.append(node)
+
+    for part in agent.prompt:
+        expand(part)
+    return leaves
+
+
 def static_prefix(segments: list[Segment]) -> tuple[int, ...]:
     """The shareable prefix: chat header and leading contexts (never the whole prompt)."""
     return segments[0]
+
+
+def reorder_by_completion(segments: list[Segment], start: int, finished: list[str]) -> list[Segment]:
+    """For an agent with `unordered=True`: the upstream segments from index `start` on, refilled
+    in completion order (`finished`, earliest first) followed by the unfinished ones in their
+    declared order. Only upstream segments move; the text between them stays in place."""
+    slots = [i for i in range(start, len(segments)) if isinstance(segments[i], AgentInput)]
+    names = [segments[i].agent for i in slots]
+    ordered = [n for n in finished if n in names] + [n for n in names if n not in finished]
+    out = list(segments)
+    for slot, name in zip(slots, ordered):
+        out[slot] = AgentInput(name)
+    return out
 
 
 def resolve(segments: list[Segment], outputs: dict[str, list[int]]) -> list[int]:

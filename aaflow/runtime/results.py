@@ -28,6 +28,7 @@ class AgentResult:
     decoded: int = 0
     bytes_moved: int = 0
     restarts: int = 0
+    input_order: list[str] = field(default_factory=list)  # upstream agents in prompt order (unordered: by completion)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Literal, Union
 
 from aaflow.errors import WorkflowError
 
-STRATEGIES = ("auto", "text", "recompute", "transfer", "stream")
+STRATEGIES = ("auto", "text", "recompute", "transfer", "stream", "transfer+stream")
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,22 @@ class AgentNode:
 
     def inputs(self) -> list[str]:
         return [p.name for p in self.prompt if isinstance(p, Ref)]
+
+    def upstream(self, wf: "Workflow") -> list[str]:
+        """Names of the agents whose output this agent's prompt reads (through KV operator nodes too)."""
+        names: list[str] = []
+
+        def visit(name: str) -> None:
+            node = wf.nodes[name]
+            if isinstance(node, KVOpNode):
+                for inner in node.inputs:
+                    visit(inner)
+            elif isinstance(node, AgentNode) and name not in names:
+                names.append(name)
+
+        for name in self.inputs():
+            visit(name)
+        return names
 
 
 @dataclass(frozen=True)

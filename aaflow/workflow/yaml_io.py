@@ -6,6 +6,8 @@
     agents:
       r1: {model: smollm2, prompt: [{ref: paper}, "Review the method."], max_tokens: 64}
       meta: {model: smollm2, prompt: [{ref: paper}, {ref: r1}, "Summarize."]}
+    kv_ops:                           # optional explicit KV operator nodes
+      shared: {op: fork, inputs: [paper]}     # then {ref: shared} in a prompt
 
 Unknown keys are rejected with the key named; references may point forward (order is resolved).
 """
@@ -19,7 +21,8 @@ import yaml
 from aaflow.errors import WorkflowError
 from aaflow.workflow.graph import Ref, Workflow
 
-_TOP_KEYS = {"name", "contexts", "agents"}
+_TOP_KEYS = {"name", "contexts", "agents", "kv_ops"}
+_KVOP_KEYS = {"op", "inputs", "replica", "mode"}
 _AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy",
                "ignore_eos"}
 
@@ -57,24 +60,42 @@ def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
         _unknown(f"agent {name!r}", spec, _AGENT_KEYS)
         if "model" not in spec or "prompt" not in spec:
             raise WorkflowError(f"agent {name!r}: model and prompt are required")
+    ops = raw.get("kv_ops") or {}
+    if not isinstance(ops, dict):
+        raise WorkflowError("kv_ops must be a mapping of node name -> {op, inputs, ...}")
+    for name, spec in ops.items():
+        if not isinstance(spec, dict) or "op" not in spec:
+            raise WorkflowError(f"kv op {name!r}: settings must be a mapping with op and inputs")
+        _unknown(f"kv op {name!r}", spec, _KVOP_KEYS)
+    refs = {n: _refs(n, s["prompt"]) for n, s in agents.items()}
+    refs.update({n: [str(i) for i in _as_list(s.get("inputs") or [])] for n, s in ops.items()})
     placed: set[str] = set(wf.nodes)
-    pending = dict(agents)
+    pending = {**{n: ("agent", s) for n, s in agents.items()}, **{n: ("kvop", s) for n, s in ops.items()}}
     while pending:
-        ready = [n for n, s in pending.items() if all(r in placed for r in _refs(n, s["prompt"]))]
+        ready = [n for n in pending if all(r in placed for r in refs[n])]
         if not ready:
-            missing = {r for n, s in pending.items() for r in _refs(n, s["prompt"])} - placed - set(pending)
+            missing = {r for n in pending for r in refs[n]} - placed - set(pending)
             if missing:
-                name = next(n for n, s in pending.items() if set(_refs(n, s["prompt"])) & missing)
-                raise WorkflowError(f"agent {name!r} refers to unknown node {sorted(missing)[0]!r}")
-            raise WorkflowError(f"workflow {wf.name!r} has a cycle among agents {sorted(pending)}")
+                name = next(n for n in pending if set(refs[n]) & missing)
+                raise WorkflowError(f"node {name!r} refers to unknown node {sorted(missing)[0]!r}")
+            raise WorkflowError(f"workflow {wf.name!r} has a cycle among nodes {sorted(pending)}")
         for name in ready:
-            spec = dict(pending.pop(name))
-            parts = [Ref(p["ref"], "context" if p["ref"] in raw.get("contexts", {}) else "agent")
-                     if isinstance(p, dict) else p for p in _as_list(spec.pop("prompt"))]
-            wf.agent(name, spec.pop("model"), parts, **spec)
+            kind, spec = pending.pop(name)
+            spec = dict(spec)
+            if kind == "kvop":
+                wf.kv_op(name, spec.pop("op"), *(_ref(wf, i) for i in refs[name]), **spec)
+            else:
+                parts = [_ref(wf, p["ref"]) if isinstance(p, dict) else p for p in _as_list(spec.pop("prompt"))]
+                wf.agent(name, spec.pop("model"), parts, **spec)
             placed.add(name)
     wf.validate()
     return wf
+
+
+def _ref(wf: Workflow, name: str) -> Ref:
+    node = wf.nodes[name]
+    kind = {"ContextNode": "context", "AgentNode": "agent", "KVOpNode": "kvop"}[type(node).__name__]
+    return Ref(name, kind)  # type: ignore[arg-type]
 
 
 def _as_list(prompt) -> list:
