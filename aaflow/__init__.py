@@ -55,6 +55,11 @@ _EXPORTS = {
     "unpin": "aaflow.api",
     "generate": "aaflow.api",
     "extend": "operators",
+    "plan": "aaflow.planning",
+    "calibrate": "aaflow.calibrate",
+    "CostModelError": "aaflow.errors",
+    "HardwareProfile": "costmodel.hardware",
+    "load_hardware": "costmodel.hardware",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,4 +1,4 @@
-"""The `aaflow` command line: demo, fetch-model, bench."""
+"""The `aaflow` command line: demo, chat, run, plan, calibrate, fetch-model, bench."""
 
 from __future__ import annotations
 
@@ -59,6 +59,61 @@ def _run(args) -> int:
     return 0
 
 
+def _hardware_name(name: str | None) -> str | None:
+    """A profile name, path, or unique prefix of a shipped one ("a100" -> "a100-80gb")."""
+    from costmodel.hardware import available_hardware
+
+    if name is None or name in available_hardware() or name.endswith((".yaml", ".yml")):
+        return name
+    matches = [h for h in available_hardware() if h.startswith(name)]
+    return matches[0] if len(matches) == 1 else name
+
+
+def _plan(args) -> int:
+    import json
+
+    import aaflow as af
+
+    wf = af.load_workflow(args.workflow)
+    replicas = {a.model: args.replicas for a in wf.agents()}
+    hardware = _hardware_name(args.hardware)
+    cluster = None
+    if hardware is None:
+        from aaflow.calibrate import find_profile
+
+        if find_profile() is None:  # calibrating needs live replicas
+            print("aaflow plan: no calibrated profile of this machine yet; starting replicas to calibrate ...")
+            cluster = af.init(replicas=replicas, dtype=args.dtype)
+    try:
+        plan = af.plan(wf, cluster or replicas, hardware=hardware, link=args.link, chunk_tokens=args.chunk_tokens)
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+    print(plan.explain())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan.to_dict(), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from pathlib import Path
+
+    import aaflow as af
+    from aaflow.calibrate import default_profile_name
+    from costmodel.hardware import hardware_dir
+
+    name = args.name or default_profile_name()
+    out = Path(args.out) if args.out else hardware_dir() / f"{name}.yaml"
+    cluster = af.init(replicas={args.model: args.replicas}, dtype=args.dtype)
+    try:
+        af.calibrate(cluster, name=name, quick=not args.full, out=out)
+    finally:
+        cluster.shutdown()
+    return 0
+
+
 def _fetch_model(args) -> int:
     from aaflow.models import fetch_model
 
@@ -101,10 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a workflow YAML on a local cluster and print a summary")
     run.add_argument("workflow")
-    run.add_argument("--strategy", default="auto", choices=["auto", "text", "recompute", "transfer", "stream"])
+    run.add_argument("--strategy", default="auto",
+                     choices=["auto", "text", "recompute", "transfer", "stream", "transfer+stream"])
     run.add_argument("--replicas", type=int, default=2)
     run.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     run.set_defaults(func=_run)
+
+    plan = sub.add_parser("plan", help="the planner's strategy per edge and predicted times for a workflow YAML")
+    plan.add_argument("workflow")
+    plan.add_argument("--replicas", type=int, default=2, help="replicas per model")
+    plan.add_argument("--hardware", default=None,
+                      help="a hardware profile (a100-80gb, h100, h200, a YAML path) for a projection; "
+                           "default: this machine's calibrated profile")
+    plan.add_argument("--link", default=None, help="link between replicas: a profile link name or e.g. 25Gbps")
+    plan.add_argument("--chunk-tokens", type=int, default=16)
+    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    plan.add_argument("--json", default=None, help="also write the plan as JSON here")
+    plan.set_defaults(func=_plan)
+
+    calibrate = sub.add_parser("calibrate", help="measure this machine's replicas and links into a hardware profile")
+    calibrate.add_argument("--model", default="smollm2")
+    calibrate.add_argument("--replicas", type=int, default=2, help="two or more also measure the links")
+    calibrate.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    calibrate.add_argument("--name", default=None, help="profile name (default local-<hostname>)")
+    calibrate.add_argument("--out", default=None, help="YAML path (default configs/hardware/<name>.yaml)")
+    calibrate.add_argument("--full", action="store_true", help="a longer grid (several minutes)")
+    calibrate.set_defaults(func=_calibrate)
 
     fetch = sub.add_parser("fetch-model", help="fetch a registered model (e.g. smollm2) into the cache")
     fetch.add_argument("name")

@@ -87,3 +87,7 @@ class KVLocationError(AAFlowError, ValueError):
 
 class KVComposeError(AAFlowError, ValueError):
     """KV parts cannot be composed in the requested mode (e.g. exact compose of independent parts)."""
+
+
+class CostModelError(AAFlowError, ValueError):
+    """A cost-model input is invalid: a unit string, a hardware profile, or a model with no timing data."""

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from aaflow.errors import KVImportError, KVTransferError, ModelMismatchError
+from cluster.calibration import Calibration
 from cluster.faults import FaultInjection
 from cluster.sessions import SequenceSessions
 from operators import EvictionPolicy, FidelityReport, KVHost, KVPayload, KVRef, Lineage
@@ -48,7 +49,7 @@ def _round_up(nbytes: int) -> int:
     return max(2**20, 1 << (nbytes - 1).bit_length())
 
 
-class ModelReplica(SequenceSessions, FaultInjection):
+class ModelReplica(SequenceSessions, FaultInjection, Calibration):
     """An engine and its KVRefs, addressed by ref id. Not thread-safe: an actor serializes calls."""
 
     def __init__(self, name: str, model: str, dtype: str = "bfloat16", threads: int | None = None,
@@ -70,7 +71,11 @@ class ModelReplica(SequenceSessions, FaultInjection):
     # --- identity -------------------------------------------------------------------------
     def info(self) -> dict:
         return {"name": self.name, "model": self.model, "fingerprint": self.engine.fingerprint,
-                "pid": os.getpid(), "bytes_per_token": self.host.spec.bytes_per_token}
+                "pid": os.getpid(), "bytes_per_token": self.host.spec.bytes_per_token,
+                "dtype": str(self.engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                "vocab_size": self.engine.config.vocab_size, "model_path": str(self.engine.model_path),
+                "max_tokens": min(self.engine.config.max_position_embeddings,
+                                  self.engine.kv_layout.num_blocks * self.engine.kv_layout.block_size // 4)}
 
     def stats(self) -> dict:
         s = self.engine.stats()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aaflow.errors import WorkflowError
+from aaflow.errors import AAFlowError, WorkflowError
 from aaflow.runtime.executor import Executor
 from aaflow.runtime.kvops import check_replicas
 from aaflow.runtime.recovery import AgentFailedError
@@ -43,18 +43,36 @@ def _check_sizes(wf, builders, limits) -> None:
 
 
 def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
-        transport: str | None = None) -> RunResult:
+        transport: str | None = None, plan=None) -> RunResult:
     """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
 
     Args:
-        strategy: "auto", "text" (the baseline), "recompute", "transfer" or "stream" (per-agent
-            `strategy=` in the DSL overrides it).
+        strategy: "auto" (the planner picks per agent, see `af.plan`), "text" (the baseline),
+            "recompute", "transfer", "stream" or "transfer+stream" (a per-agent `strategy=` in the
+            DSL overrides it).
         chunk_tokens: streamed upstream tokens are prefilled downstream in chunks of at least this many.
         call_timeout_s: the longest any replica call may take before the run fails (nothing hangs).
-        transport: KV transport between replicas ("ray", "nixl", "ucx"); default "ray".
+        transport: KV transport between replicas ("ray", "nixl", "ucx", or an emulated link such as
+            "ray@10Gbps"); default "ray".
+        plan: a `Plan` from `af.plan` to follow under "auto" (default: plan now; this machine's
+            profile is calibrated on first use). If planning fails, auto falls back to its
+            documented rule and says so in `events`.
     """
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
     builders, eos, limits = _builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits)
-    return Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport).run()
+    events = []
+    if strategy == "auto" and plan is None:
+        from aaflow.planning import plan as make_plan
+
+        try:
+            plan = make_plan(workflow, cluster, chunk_tokens=chunk_tokens, transport=transport)
+        except AAFlowError as exc:
+            events.append(f"planner unavailable ({exc}); auto follows its documented rule")
+    decisions = plan.decisions if strategy == "auto" and plan is not None else None
+    if decisions:
+        events.append("planner: " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
+    executor = Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport, decisions)
+    executor.events.extend(events)
+    return executor.run()

@@ -1,7 +1,8 @@
 """KV transports: move one contiguous CPU tensor between processes, exactly.
 
 Backends (`local`, `ray`, `nixl`, `ucx`) are registered by name and imported only when
-used; `available_transports()` says which can run here and why not.
+used; `available_transports()` says which can run here and why not. A name like
+`"ray@10Gbps"` or `"nixl@1Gbps,50us"` gives an `EmulatedLink`: that base, slowed down.
 """
 
 from .base import (
@@ -13,8 +14,10 @@ from .base import (
     get_transport,
     register_transport,
 )
+from .emulated import EmulatedLink
 
 __all__ = [
+    "EmulatedLink",
     "TransferHandle",
     "TransferStats",
     "Transport",

@@ -261,9 +261,15 @@ def _load(name: str) -> type[Transport]:
 def get_transport(name: str, **kwargs: Any) -> Transport:
     """Create the transport registered as `name` (kwargs go to its constructor).
 
-    Raises ValueError for an unknown name and TransportUnavailableError (a
-    KVTransferError) naming the missing piece when the backend cannot run here.
+    A name with an `@` is an emulated link over a registered base, `"ray@10Gbps"` or
+    `"nixl@1Gbps,50us"` (see `cluster.transports.emulated`; kwargs go to the base).
+    Raises ValueError for an unknown name or a bad link spec and TransportUnavailableError
+    (a KVTransferError) naming the missing piece when the backend cannot run here.
     """
+    if "@" in name:
+        from .emulated import emulated_link
+
+        return emulated_link(name, **kwargs)
     cls = _load(name)
     reason = cls.unavailable_reason()
     if reason is not None:

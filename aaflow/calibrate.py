@@ -1,0 +1,177 @@
+"""`aaflow calibrate`: measure this cluster's replicas and links, fit a hardware profile.
+
+Each model's compute (prefill by new tokens and context, decode step by batch and context) is
+measured on one of its replicas, in its actor, with the replica's own threads; links are measured
+with real transfers between two replicas of one model, through every transport that runs here;
+the driver measures the cost of one replica call. `costmodel.calibration` fits the samples.
+A compute entry is keyed by `model_key` (model, dtype, threads): profiles of other settings differ.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+from aaflow.errors import CostModelError
+from costmodel.hardware import HardwareProfile, LinkProfile, hardware_dir
+
+LINK_TOKENS_QUICK = (128, 1024, 4096)
+LINK_TOKENS_FULL = (64, 256, 1024, 2048, 4096, 8192)
+
+
+def default_profile_name() -> str:
+    """This machine's profile name: `local-<hostname>`."""
+    return "local-" + re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())
+
+
+def cached_profile_path(name: str) -> Path:
+    """Where a profile calibrated on first use is kept: the user's aaflow cache."""
+    from aaflow.models.registry import cache_dir
+
+    return cache_dir() / "hardware" / f"{name}.yaml"
+
+
+def model_key(info: dict) -> str:
+    """The compute-entry key of a replica: model, dtype and threads change its speed."""
+    return f"{Path(info['model']).name}|{info['dtype']}|{info['threads']}t"
+
+
+def find_profile(name: str | None = None) -> HardwareProfile | None:
+    """The calibrated profile of this machine (project configs first, then the cache), or None."""
+    name = name or default_profile_name()
+    for path in (hardware_dir() / f"{name}.yaml", cached_profile_path(name)):
+        if path.exists():
+            return HardwareProfile.load(path)
+    return None
+
+
+def _say(progress: Callable[[str], None] | None, message: str) -> None:
+    if progress is not None:
+        progress(message)
+
+
+def _call_overhead_s(replica) -> float:
+    import ray
+
+    samples = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        ray.get(replica.actor.session_count.remote())
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _measure_links(replicas, transports, tokens, progress) -> tuple[dict, dict]:
+    """Real transfers of `tokens`-long KV from replicas[0] to replicas[1] per transport."""
+    import ray
+
+    from costmodel.calibration import fit_link
+
+    src, dst = replicas[0], replicas[1]
+    links, samples_out = {}, {}
+    info = ray.get(src.actor.info.remote())
+    vocab = info["vocab_size"]
+    cap = info["max_tokens"]
+    tokens = [n for n in tokens if n <= cap]
+    if len(tokens) < 2:  # a small model or pool: sizes relative to what fits
+        tokens = [max(1, cap // 8), cap]
+    refs = [ray.get(src.actor.materialize.remote([(7 * i + 11) % vocab for i in range(n)])) for n in tokens]
+    try:
+        for transport in transports:
+            samples = []
+            for record in refs:
+                times = []
+                for _ in range(4):  # the first transfer of a size allocates and registers buffers
+                    handle, shape, rec = ray.get(src.actor.expose.remote(record.id, transport))
+                    try:
+                        nbytes, seconds = ray.get(dst.actor.calibrate_receive.remote(handle, shape, rec, transport))
+                    finally:
+                        ray.get(src.actor.release.remote(handle, transport))
+                    times.append(seconds)
+                samples.append((nbytes, statistics.median(times[1:])))
+            try:
+                links[transport] = fit_link(samples)
+            except CostModelError:  # too noisy to separate latency from bandwidth: no latency term
+                nbytes, seconds = max(samples)
+                links[transport] = LinkProfile(nbytes / seconds, 0.0)
+            samples_out[transport] = samples
+            _say(progress, f"  link {transport}: {links[transport].bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+                           f"{links[transport].latency_s * 1e3:.2f} ms latency")
+    finally:
+        for record in refs:
+            ray.get(src.actor.free.remote(record.id))
+    return links, samples_out
+
+
+def calibrate(cluster, name: str | None = None, quick: bool = True, transports: tuple[str, ...] | None = None,
+              progress: Callable[[str], None] | None = print, out: str | Path | None = None,
+              base: HardwareProfile | None = None) -> HardwareProfile:
+    """Measure `cluster` and return (and save to `out`, if given) a measured `HardwareProfile`.
+
+    Args:
+        quick: a short grid (about a minute for SmolLM2 here); False measures more points.
+        transports: links to measure (default: ray, nixl and ucx where they run here).
+        base: a profile to extend (entries of models measured now are replaced).
+    """
+    import ray
+
+    from cluster.calibration import FULL_DECODE, FULL_PREFILL, QUICK_DECODE, QUICK_PREFILL
+    from cluster.transports import available_transports
+    from costmodel.calibration import compute_profile_from_samples, fit_quality
+
+    name = name or default_profile_name()
+    compute = dict(base.compute) if base else {}
+    links = dict(base.links) if base else {}
+    report = []
+    for model in sorted(cluster.models):
+        replica = cluster.replicas(model)[0]
+        info = ray.get(replica.actor.info.remote())
+        key = model_key(info)
+        _say(progress, f"calibrating {key} on {replica.name}: prefill ...")
+        prefill = ray.get(replica.actor.calibrate_prefill.remote(QUICK_PREFILL if quick else FULL_PREFILL,
+                                                                   1 if quick else 3))
+        _say(progress, f"calibrating {key} on {replica.name}: decode ...")
+        decode = ray.get(replica.actor.calibrate_decode.remote(QUICK_DECODE if quick else FULL_DECODE))
+        compute[key] = compute_profile_from_samples(prefill, decode)
+        quality = fit_quality(compute[key], prefill, decode)
+        report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, fit error {quality}")
+        _say(progress, f"  {report[-1]}")
+    replica = cluster.replicas()[0]
+    memcpy = ray.get(replica.actor.memcpy_bandwidth.remote())
+    overhead = _call_overhead_s(replica)
+    pairs = [cluster.replicas(m) for m in sorted(cluster.models) if len(cluster.replicas(m)) >= 2]
+    if pairs:
+        ready = available_transports()
+        wanted = transports or tuple(t for t in ("ray", "nixl", "ucx") if ready.get(t) is True)
+        _say(progress, f"calibrating links {', '.join(wanted)} between {pairs[0][0].name} and {pairs[0][1].name} ...")
+        measured, _ = _measure_links(pairs[0], wanted, LINK_TOKENS_QUICK if quick else LINK_TOKENS_FULL, progress)
+        links.update(measured)
+    source = (f"measured by `aaflow calibrate` on {socket.gethostname()} ({os.cpu_count()} CPUs) at "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')}; " + "; ".join(report))
+    profile = HardwareProfile(name=name, measured=True, source=source, memcpy_bytes_per_s=memcpy, compute=compute,
+                              links=links, call_overhead_s=overhead)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        profile.save(out)
+        _say(progress, f"wrote {out}")
+    return profile
+
+
+def ensure_profile(cluster, progress: Callable[[str], None] | None = print) -> HardwareProfile:
+    """This machine's profile with an entry for every model of `cluster`: loaded, or calibrated
+    now (quick) for the models it lacks and saved to the cache for the next run."""
+    import ray
+
+    profile = find_profile()
+    keys = {model_key(ray.get(cluster.replicas(m)[0].actor.info.remote())) for m in cluster.models}
+    if profile is not None and keys <= set(profile.compute) and profile.links:
+        return profile
+    _say(progress, "no calibrated profile of this machine for these replicas yet: calibrating (quick) ...")
+    return calibrate(cluster, quick=True, progress=progress, base=profile,
+                     out=cached_profile_path(default_profile_name()))
+

@@ -1,0 +1,126 @@
+"""`af.plan(workflow, cluster)`: the cost-model planner applied to a real workflow and cluster.
+
+The workflow becomes a `WorkflowSpec` (token counts from the same prompt builder the executor
+uses; an upstream agent counts at its `max_tokens`), the cluster a `ClusterSpec`, and the
+hardware profile is this machine's calibrated one (calibrated on first use), or any other
+profile by name for a projection (`hardware="a100-80gb"`), always labelled as such.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Callable
+
+from costmodel.hardware import HardwareProfile, load_hardware
+from costmodel.model_profile import ModelProfile
+from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
+
+
+def workflow_spec(workflow, builders: dict) -> WorkflowSpec:
+    """Token counts of every agent's prompt segments, as the executor will feed them."""
+    from aaflow.runtime.prompts import AgentInput, static_prefix
+
+    tasks = []
+    for node in workflow.agents():
+        segments = builders[node.model].segments(workflow, node)
+        prefix = static_prefix(segments)
+        key = hashlib.sha256(repr((node.model, prefix)).encode()).hexdigest()[:16]
+        rest = tuple(s.agent if isinstance(s, AgentInput) else len(s) for s in segments[1:])
+        tasks.append(AgentTask(node.name, node.model, key, len(prefix), rest, node.max_tokens))
+    return WorkflowSpec(workflow.name, tuple(tasks))
+
+
+def replica_infos(cluster) -> dict[str, dict]:
+    """Per model: what sets its speed (model folder, dtype, threads). From the live replicas of a
+    `Cluster`, or, for a plan made without starting one, from `{model: replicas}` and the
+    defaults `af.init` would use (dtype bfloat16, the CPUs shared equally)."""
+    import os
+
+    if isinstance(cluster, dict):
+        from aaflow.models import resolve_model_path
+
+        threads = max(1, (os.cpu_count() or 1) // sum(cluster.values()))
+        return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": "bfloat16",
+                    "threads": threads} for m in cluster}
+    import ray
+
+    return {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
+
+
+def replica_names(cluster) -> tuple[tuple[str, str], ...]:
+    """(replica, model) pairs in cluster order (the names `af.init` gives when planning offline)."""
+    if isinstance(cluster, dict):
+        return tuple((f"{m}-{i}", m) for m, n in cluster.items() for i in range(n))
+    return tuple((r.name, r.model) for r in cluster.replicas())
+
+
+def model_profiles(infos: dict[str, dict]) -> dict[str, ModelProfile]:
+    """Each served model's shape, named by its compute-entry key (model, dtype, threads)."""
+    from aaflow.calibrate import model_key
+
+    return {m: ModelProfile.from_folder(model_key(i), Path(i["model_path"]), dtype=i["dtype"])
+            for m, i in infos.items()}
+
+
+def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwareProfile | None,
+                     progress: Callable[[str], None] | None) -> HardwareProfile:
+    """A profile object: given, loaded by name or path, or this machine's (calibrated on first use,
+    which needs a live cluster)."""
+    from aaflow.calibrate import ensure_profile, find_profile, model_key
+
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    if hardware is not None:
+        return load_hardware(hardware)
+    found = find_profile()
+    if found is not None and {model_key(i) for i in infos.values()} <= set(found.compute) and found.links:
+        return found
+    if isinstance(cluster, dict):
+        from aaflow.errors import CostModelError
+
+        raise CostModelError("this machine has no calibrated profile for these models; run `aaflow calibrate` "
+                             "(or pass a live cluster, which calibrates on first use, or --hardware NAME)")
+    return ensure_profile(cluster, progress=progress)
+
+
+def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
+    """Add an emulated link ("ray@100Mbps,1ms": the real `ray` link capped) to the profile under its
+    own name: bandwidth the lower of the two, latency the sum (an emulator only slows a link down)."""
+    if "@" not in link or link in profile.links:
+        return profile
+    from cluster.transports.emulated import parse_link_spec
+    from costmodel.hardware import LinkProfile
+
+    base, bandwidth, latency = parse_link_spec(link)
+    real = profile.links.get(base, LinkProfile(float("inf"), 0.0))
+    return profile.with_link(link, LinkProfile(min(bandwidth, real.bandwidth_bytes_per_s), real.latency_s + latency))
+
+
+def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link: str | None = None,
+         chunk_tokens: int = 16, transport: str | None = None, progress: Callable[[str], None] | None = print):
+    """Plan `workflow` on `cluster`: the strategy per agent and edge, predicted times and memory.
+
+    Args:
+        cluster: a live `Cluster`, or `{model: replicas}` to plan without starting one.
+        hardware: None for this machine's calibrated profile (measured; calibrated on first use),
+            or a profile name / YAML path (e.g. "a100-80gb") to project onto other hardware.
+        link: the link between replicas: a profile link name ("ray", "nixl", "ib-400g") or a
+            bandwidth such as "25Gbps" (default: `transport`, else the profile's first link).
+        chunk_tokens: the executor's streaming chunk size.
+    Returns a `costmodel.plan.Plan`; `print(plan.explain())` shows why each choice was made.
+    """
+    from aaflow.runtime import _builders, _check_sizes
+    from costmodel.planner import plan_workflow
+
+    replicas = replica_names(cluster)
+    workflow.validate(served_models={m for _, m in replicas})
+    builders, _, limits = _builders({a.model for a in workflow.agents()})
+    _check_sizes(workflow, builders, limits)
+    infos = replica_infos(cluster)
+    profile = resolve_hardware(cluster, infos, hardware, progress)
+    link = link or transport or ("ray" if "ray" in profile.links else next(iter(profile.links), "ray"))
+    profile = with_emulated_link(profile, link)
+    spec = workflow_spec(workflow, builders)
+    cspec = ClusterSpec(replicas, link=link, chunk_tokens=chunk_tokens)
+    return plan_workflow(spec, cspec, profile, model_profiles(infos))

@@ -1,0 +1,134 @@
+"""The planner: one strategy per agent, chosen by simulating the executor (`costmodel.simulate`).
+
+Search: simulate uniform "text" (the baseline) and each uniform candidate, start from the best,
+then coordinate descent over agents (a few passes: try each candidate for one agent, keep it if the
+prediction improves). Order: shorter makespan, then less total replica work, then simpler
+strategies. A plan is never predicted slower than text; if it would be, it is text for everyone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aaflow.errors import CostModelError
+from costmodel.plan import STREAMING, Plan
+from costmodel.simulate import SimResult, simulate
+from costmodel.units import format_seconds
+
+if TYPE_CHECKING:
+    from costmodel.hardware import HardwareProfile
+    from costmodel.model_profile import ModelProfile
+    from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
+
+CANDIDATES = ("recompute", "transfer", "stream", "transfer+stream")
+SIMPLICITY = {"text": 0, "recompute": 1, "transfer": 2, "stream": 3, "transfer+stream": 4}
+# With no upstream agent there is nothing to stream: these behave exactly like the simpler one.
+NO_INPUT_EQUIVALENT = {"stream": "recompute", "transfer+stream": "transfer"}
+
+
+def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwareProfile,
+                  models: dict[str, ModelProfile], candidates: tuple[str, ...] = CANDIDATES,
+                  call_overhead_s: float = 0.002, max_passes: int = 3) -> Plan:
+    """Choose a strategy per agent minimizing the simulated makespan of `spec` on `cluster`.
+
+    `candidates` are the strategies the planner may pick ("text" is always simulated as the
+    baseline and used when nothing beats it). Raises CostModelError for an unknown candidate and
+    for whatever `simulate` rejects (unknown models, unserved models)."""
+    unknown = [c for c in candidates if c not in SIMPLICITY]
+    if unknown or not candidates:
+        raise CostModelError(f"unknown planner candidates {unknown or candidates!r}; choose from {tuple(SIMPLICITY)}")
+    search = _Search(spec, cluster, hardware, models, tuple(dict.fromkeys(candidates)), call_overhead_s)
+    baseline = search.sim(search.uniform("text"))
+    alternatives = {c: search.sim(search.uniform(c)) for c in search.candidates}
+    current = min((search.normalize(search.uniform(c)) for c in search.candidates), key=search.key)
+    for _ in range(max_passes):
+        improved = False
+        for task in spec.agents:
+            for strategy in search.options[task.name]:
+                trial = {**current, task.name: strategy}
+                if search.key(trial) < search.key(current):
+                    current, improved = trial, True
+        if not improved:
+            break
+    if search.sim(current).makespan_s > baseline.makespan_s:
+        current = search.uniform("text")
+    predicted = search.sim(current)
+    runner_up = {}
+    for task in spec.agents:
+        others = [{**current, task.name: s} for s in search.options[task.name] + ["text"] if s != current[task.name]]
+        if others:
+            best = min(others, key=search.key)
+            runner_up[task.name] = (best[task.name], search.sim(best).makespan_s)
+    reasons = {t.name: _reason(t, current, predicted, spec, cluster, hardware, models) for t in spec.agents}
+    return Plan(spec, dict(current), predicted, baseline, alternatives, runner_up, hardware.name,
+                not hardware.measured, reasons)
+
+
+class _Search:
+    """Memoized simulations of strategy assignments, and the order they are ranked by."""
+
+    def __init__(self, spec, cluster, hardware, models, candidates: tuple[str, ...], call_overhead_s: float) -> None:
+        self.spec, self.cluster, self.hardware, self.models = spec, cluster, hardware, models
+        self.candidates, self.call_overhead_s = candidates, call_overhead_s
+        self.cache: dict[tuple[str, ...], SimResult] = {}
+        self.options = {t.name: self._options(t) for t in spec.agents}
+
+    def _options(self, task: AgentTask) -> list[str]:
+        if task.upstream:
+            return list(self.candidates)
+        return [c for c in self.candidates if NO_INPUT_EQUIVALENT.get(c) not in self.candidates]
+
+    def uniform(self, strategy: str) -> dict[str, str]:
+        return {t.name: strategy for t in self.spec.agents}
+
+    def normalize(self, assignment: dict[str, str]) -> dict[str, str]:
+        """Replace a strategy an agent without inputs cannot use by its simpler equivalent."""
+        return {name: (s if s in self.options[name] or s == "text" else NO_INPUT_EQUIVALENT.get(s, s))
+                for name, s in assignment.items()}
+
+    def sim(self, assignment: dict[str, str]) -> SimResult:
+        key = tuple(assignment[t.name] for t in self.spec.agents)
+        if key not in self.cache:
+            self.cache[key] = simulate(self.spec, self.cluster, self.hardware, self.models, assignment,
+                                       call_overhead_s=self.call_overhead_s)
+        return self.cache[key]
+
+    def key(self, assignment: dict[str, str]) -> tuple[float, float, int]:
+        result = self.sim(assignment)
+        return (round(result.makespan_s, 9), round(result.total_busy_s, 9),
+                sum(SIMPLICITY[s] for s in assignment.values()))
+
+
+def _reason(task: AgentTask, decisions: dict[str, str], result: SimResult, spec: WorkflowSpec,
+            cluster: ClusterSpec, hardware: HardwareProfile, models: dict[str, ModelProfile]) -> str:
+    """Why this agent's strategy pays, in one line."""
+    strategy, timing = decisions[task.name], result.agents[task.name]
+    n = task.prefix_tokens
+    model = models[task.model]
+    recompute_s = hardware.compute_for(model).prefill_time(n)
+    parts = []
+    if strategy in ("transfer", "transfer+stream") and n:
+        nbytes = n * model.kv_bytes_per_token
+        transfer_s = nbytes / hardware.memcpy_bytes_per_s + hardware.link(cluster.link).transfer_time(nbytes)
+        if timing.prefix_via == "transfer":
+            cmp = "<" if transfer_s < recompute_s else ">="
+            parts.append(f"prefix of {n:,} tokens sent to {timing.replica}: transfer {format_seconds(transfer_s)} "
+                         f"{cmp} recompute {format_seconds(recompute_s)}")
+        elif timing.prefix_via == "reuse":
+            parts.append(f"prefix of {n:,} tokens already on {timing.replica}: fork, not recompute "
+                         f"{format_seconds(recompute_s)}")
+        else:
+            sharers = sum(1 for t in spec.agents if t.model == task.model and t.prefix_key == task.prefix_key
+                          and decisions[t.name] in ("transfer", "transfer+stream"))
+            parts.append(f"computes the prefix of {n:,} tokens once for {sharers} agent(s)")
+    elif strategy != "text" and timing.prefix_via == "reuse":
+        parts.append(f"prefix cache on {timing.replica} serves {timing.prefill_reused_tokens:,} tokens")
+    elif n:
+        parts.append(f"computes its prefix of {n:,} tokens on {timing.replica} ({format_seconds(recompute_s)})")
+    if task.upstream:
+        gap = timing.first_token_s - max(result.agents[u].end_s for u in task.upstream)
+        verb = "streams" if strategy in STREAMING else "waits for"
+        parts.append(f"{verb} {', '.join(task.upstream)}: first token {format_seconds(gap)} after its last input")
+    if strategy == "text":
+        parts.append("text baseline: no strategy predicted faster")
+    return "; ".join(parts) or "no prefix, no inputs"

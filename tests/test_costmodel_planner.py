@@ -1,0 +1,178 @@
+"""The executor simulator and the planner on hand-built profiles (pure, no Ray, no engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aaflow.errors import CostModelError
+from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+from costmodel.model_profile import ModelProfile
+from costmodel.planner import plan_workflow
+from costmodel.simulate import simulate
+from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
+
+O = 0.002  # the simulator's default call overhead (s)
+SMOLLM2 = ModelProfile("m", layers=30, kv_heads=3, head_dim=64, num_heads=9, params=135_000_000)  # 23,040 B/token
+
+
+def hardware(compute: ComputeProfile, link_bytes_per_s: float = 5e9, measured: bool = False) -> HardwareProfile:
+    return HardwareProfile("test-box", measured, "hand-built", 2e10, {"m": compute},
+                           {"ray": LinkProfile(link_bytes_per_s)})
+
+
+def cluster(n: int) -> ClusterSpec:
+    return ClusterSpec(tuple((f"s{i}", "m") for i in range(n)))
+
+
+def agent(name: str, prefix_key: str, prefix_tokens: int, *segments, out: int = 8) -> AgentTask:
+    return AgentTask(name, "m", prefix_key, prefix_tokens, tuple(segments), out)
+
+
+def uniform(spec: WorkflowSpec, strategy: str) -> dict[str, str]:
+    return {a.name: strategy for a in spec.agents}
+
+
+# A CPU-like profile: 0.1 ms per prefill token, 20 ms per decode step.
+CPU = ComputeProfile(prefill_fixed_s=0.005, prefill_s_per_token=1e-4, prefill_s_per_token_ctx=1e-8,
+                     decode_fixed_s=0.02, decode_s_per_seq=1e-4, decode_s_per_seq_ctx=1e-7)
+
+
+def test_single_agent_is_prefill_plus_decode_steps_plus_overheads():
+    c = ComputeProfile(0.01, 0.001, 0.0, 0.02, 0.001, 1e-5)
+    spec = WorkflowSpec("one", (agent("a", "doc", 100, 10, out=5),))
+    r = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, {"a": "text"})
+    prefill = 0.01 + 0.001 * 110
+    steps = 4 * (O + 0.02 + 0.001) + 1e-5 * (110 + 111 + 112 + 113)  # context grows one token per step
+    t = r.agents["a"]
+    assert t.first_token_s == pytest.approx(O + O + prefill)  # session_open, session_prefill
+    assert t.end_s == pytest.approx(2 * O + prefill + steps)
+    assert r.makespan_s == pytest.approx(2 * O + prefill + steps + O)  # session_close
+    assert r.busy_s["s0"] == pytest.approx(r.makespan_s)
+    assert (t.prefill_computed_tokens, t.prefill_reused_tokens, r.prefill_tokens_computed) == (110, 0, 110)
+    assert r.peak_kv_bytes == (110 + 4) * SMOLLM2.kv_bytes_per_token
+    assert r.bytes_moved == 0
+
+
+def test_chain_stream_hands_off_one_chunk_remainder():
+    # A decodes 33 tokens on s0; B (on s1) prefills its prefix at once, A's tokens in chunks of 16 as
+    # they come, and at A's end only A's last token + its 8-token tail.
+    c = ComputeProfile(0.001, 1e-4, 0.0, 0.01, 0.001, 0.0)
+    prefill = c.prefill_time
+    step = O + c.decode_step_time(1)
+    spec = WorkflowSpec("chain", (agent("A", "pa", 32, out=33), agent("B", "pb", 512, "A", 8, out=2)))
+    hw = hardware(c)
+    streamed = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "stream"))
+    text = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "text"))
+
+    a_end = 2 * O + prefill(32) + 32 * step
+    for r in (streamed, text):
+        assert r.agents["A"].end_s == pytest.approx(a_end)
+    s = streamed.agents["B"]
+    assert (streamed.agents["A"].replica, s.replica) == ("s0", "s1")
+    assert s.first_token_s - a_end == pytest.approx(O + prefill(1 + 8))
+    assert streamed.makespan_s == pytest.approx(a_end + O + prefill(9) + step + O)
+    # text: B opens after A, on s0 behind A's close, and prefills the whole prompt
+    t = text.agents["B"]
+    assert t.first_token_s - a_end == pytest.approx(3 * O + prefill(512 + 33 + 8))
+    assert s.first_token_s - a_end < (t.first_token_s - a_end) / 5
+    assert s.prefill_computed_tokens == t.prefill_computed_tokens == 512 + 33 + 8
+
+
+def test_fan_out_on_one_replica_decodes_in_batches():
+    # Steps cost 0.1 s whatever the batch: 4 children x 9 steps must cost 12 steps, not 36.
+    c = ComputeProfile(0.001, 0.001, 0.0, 0.1, 0.0, 0.0)
+    kids = tuple(agent(f"c{i}", "c", 8, "R", out=10) for i in range(4))
+    spec = WorkflowSpec("fan", (agent("R", "r", 8, out=4),) + kids)
+    r = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
+    expected = c.prefill_time(8) + 3 * 0.1 + 4 * c.prefill_time(8 + 4) + 12 * 0.1
+    assert r.busy_s["s0"] == pytest.approx(expected)
+    assert r.makespan_s == pytest.approx(expected)
+    ends = sorted(r.agents[k.name].end_s for k in kids)
+    assert ends[-1] - ends[0] < 4 * 0.1  # they finish together, not one after another
+
+
+def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:
+    reviewers = tuple(agent(f"r{i}", "paper", prefix_tokens, 20, out=64) for i in range(3))
+    meta = agent("meta", "paper", prefix_tokens, "r0", 5, "r1", 5, "r2", 20, out=64)
+    return WorkflowSpec("review", reviewers + (meta,))
+
+
+def test_map_reduce_sharing_computes_fewer_prefill_tokens_and_planner_beats_text():
+    spec = map_reduce()
+    hw = hardware(CPU)
+    text = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "text"))
+    for strategy in ("transfer", "transfer+stream"):
+        shared = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, strategy))
+        assert shared.prefill_tokens_computed < text.prefill_tokens_computed / 3, strategy
+        assert shared.bytes_moved == 4096 * SMOLLM2.kv_bytes_per_token  # one prefix copy to the other replica
+    plan = plan_workflow(spec, cluster(2), hw, {"m": SMOLLM2})
+    assert set(plan.decisions.values()) != {"text"}
+    assert plan.predicted.makespan_s < plan.baseline.makespan_s
+    assert plan.predicted.prefill_tokens_computed < plan.baseline.prefill_tokens_computed
+    assert plan.baseline == text
+    assert set(plan.alternatives) == {"recompute", "transfer", "stream", "transfer+stream"}
+    assert set(plan.runner_up) == {a.name for a in spec.agents}
+    json.dumps(plan.to_dict())
+
+
+def cross_fan_out() -> WorkflowSpec:
+    """Two roots with different 4,096-token contexts, each read by three consumers sharing it: on two
+    replicas each replica ends up needing both contexts."""
+    roots = (agent("A", "P", 4096, 16, out=64), agent("D", "Q", 4096, 16, out=64))
+    kids = tuple(agent(f"{root.lower()}{i}", key, 4096, root, 16, out=32)
+                 for root, key in (("A", "P"), ("D", "Q")) for i in range(3))
+    return WorkflowSpec("cross", roots + kids)
+
+
+def test_planner_avoids_a_slow_link_and_uses_a_fast_one():
+    spec = cross_fan_out()
+    slow = plan_workflow(spec, cluster(2), hardware(CPU, link_bytes_per_s=1e6), {"m": SMOLLM2})
+    fast = plan_workflow(spec, cluster(2), hardware(CPU, link_bytes_per_s=1e11, measured=True), {"m": SMOLLM2})
+    assert slow.predicted.bytes_moved == 0
+    assert not any(row[2] == "transfer" for row in slow.edges())
+    assert fast.predicted.bytes_moved > 0
+    assert any(row[2] == "transfer" for row in fast.edges())
+    assert fast.predicted.makespan_s < fast.alternatives["recompute"].makespan_s
+    for plan in (slow, fast):
+        assert plan.predicted.makespan_s <= plan.baseline.makespan_s
+        assert plan.predicted.makespan_s <= min(r.makespan_s for r in plan.alternatives.values()) + 1e-9
+    assert (slow.projection, fast.projection) == (True, False)
+    assert "PROJECTION" not in fast.explain()
+
+
+def test_plan_falls_back_to_text_when_nothing_beats_it():
+    spec = cross_fan_out()
+    plan = plan_workflow(spec, cluster(2), hardware(CPU, link_bytes_per_s=1e6), {"m": SMOLLM2},
+                         candidates=("transfer",))
+    assert plan.alternatives["transfer"].makespan_s > plan.baseline.makespan_s
+    assert set(plan.decisions.values()) == {"text"}
+    assert plan.predicted == plan.baseline
+
+
+def test_explain_names_every_agent_and_flags_projection():
+    spec = map_reduce(2048)
+    plan = plan_workflow(spec, cluster(2), hardware(CPU), {"m": SMOLLM2})
+    text = plan.explain()
+    assert "PROJECTION (not measured here)" in text and "test-box" in text
+    for a in spec.agents:
+        assert any(line.startswith(a.name + " ") for line in text.splitlines()), a.name
+    edges = plan.edges()
+    assert ("r0", "meta", "stream" if plan.decisions["meta"] in ("stream", "transfer+stream") else "wait") in edges
+    assert sum(1 for p, _, _ in edges if p == "prefix:paper") == 4
+
+
+def test_errors_name_the_agent():
+    with pytest.raises(CostModelError, match="'ghost'"):
+        WorkflowSpec("bad", (agent("a", "p", 8), agent("b", "p", 8, "ghost")))
+    with pytest.raises(CostModelError, match="cycle"):
+        WorkflowSpec("loop", (agent("a", "p", 8, "b"), agent("b", "p", 8, "a")))
+    spec = WorkflowSpec("w", (AgentTask("lonely", "other-model", "p", 8, (), 4),))
+    with pytest.raises(CostModelError, match="'lonely'.*no replica"):
+        simulate(spec, cluster(1), hardware(CPU), {"m": SMOLLM2}, {"lonely": "text"})
+    spec = WorkflowSpec("w", (agent("a", "p", 8),))
+    with pytest.raises(CostModelError, match="'a'.*'fastest'"):
+        simulate(spec, cluster(1), hardware(CPU), {"m": SMOLLM2}, {"a": "fastest"})
+    with pytest.raises(CostModelError, match="output_tokens"):
+        agent("z", "p", 8, out=0)
