@@ -56,7 +56,7 @@ _EXPORTS = {
     "generate": "aaflow.api",
     "extend": "operators",
     "plan": "aaflow.planning",
-    "calibrate": "aaflow.calibrate",
+    "calibrate": "aaflow.calibration",
     "CostModelError": "aaflow.errors",
     "HardwareProfile": "costmodel.hardware",
     "load_hardware": "costmodel.hardware",

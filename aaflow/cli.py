@@ -79,7 +79,7 @@ def _plan(args) -> int:
     hardware = _hardware_name(args.hardware)
     cluster = None
     if hardware is None:
-        from aaflow.calibrate import find_profile
+        from aaflow.calibration import find_profile
 
         if find_profile() is None:  # calibrating needs live replicas
             print("aaflow plan: no calibrated profile of this machine yet; starting replicas to calibrate ...")
@@ -101,7 +101,7 @@ def _calibrate(args) -> int:
     from pathlib import Path
 
     import aaflow as af
-    from aaflow.calibrate import default_profile_name
+    from aaflow.calibration import default_profile_name
     from costmodel.hardware import hardware_dir
 
     name = args.name or default_profile_name()

@@ -57,7 +57,7 @@ def replica_names(cluster) -> tuple[tuple[str, str], ...]:
 
 def model_profiles(infos: dict[str, dict]) -> dict[str, ModelProfile]:
     """Each served model's shape, named by its compute-entry key (model, dtype, threads)."""
-    from aaflow.calibrate import model_key
+    from aaflow.calibration import model_key
 
     return {m: ModelProfile.from_folder(model_key(i), Path(i["model_path"]), dtype=i["dtype"])
             for m, i in infos.items()}
@@ -67,7 +67,7 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
                      progress: Callable[[str], None] | None) -> HardwareProfile:
     """A profile object: given, loaded by name or path, or this machine's (calibrated on first use,
     which needs a live cluster)."""
-    from aaflow.calibrate import ensure_profile, find_profile, model_key
+    from aaflow.calibration import ensure_profile, find_profile, model_key
 
     if isinstance(hardware, HardwareProfile):
         return hardware
@@ -123,4 +123,4 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
     profile = with_emulated_link(profile, link)
     spec = workflow_spec(workflow, builders)
     cspec = ClusterSpec(replicas, link=link, chunk_tokens=chunk_tokens)
-    return plan_workflow(spec, cspec, profile, model_profiles(infos))
+    return plan_workflow(spec, cspec, profile, model_profiles(infos), call_overhead_s=profile.call_overhead_s or 0.002)

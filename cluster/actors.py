@@ -31,6 +31,13 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init in this process
 
 
+def _is_loopback(address: str) -> bool:
+    """Whether a "host:port" Ray address names this machine's loopback (127.x.x.x, localhost, ::1)."""
+    host = address.rpartition(":")[0] if ":" in address else address
+    host = host.strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None):
     """Join `address`, or start a local Ray bound to 127.0.0.1 with no dashboard (nothing on 0.0.0.0)."""
     import ray
@@ -39,6 +46,10 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
         return ray
     env = {"env_vars": dict(ACTOR_ENV)}
     if address is not None:
+        if _is_loopback(address):
+            # Without this, Ray rewrites "127.0.0.1:port" to this machine's routable address and the
+            # driver retries a GCS that only listens on 127.0.0.1, forever.
+            loopback_only()
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         loopback_only()

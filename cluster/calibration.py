@@ -1,6 +1,6 @@
 """Calibration microbenchmarks that run inside a replica (its engine, its threads).
 
-The driver (`aaflow.calibrate`) collects the samples from every replica and fits a hardware
+The driver (`aaflow.calibration`) collects the samples from every replica and fits a hardware
 profile with `costmodel.calibration`. Samples are (tokens or batch, context tokens, seconds).
 """
 

@@ -139,7 +139,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         decode = ray.get(replica.actor.calibrate_decode.remote(QUICK_DECODE if quick else FULL_DECODE))
         compute[key] = compute_profile_from_samples(prefill, decode)
         quality = fit_quality(compute[key], prefill, decode)
-        report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, fit error {quality}")
+        report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, median fit error {quality:.1%}")
         _say(progress, f"  {report[-1]}")
     replica = cluster.replicas()[0]
     memcpy = ray.get(replica.actor.memcpy_bandwidth.remote())

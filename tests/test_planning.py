@@ -1,0 +1,99 @@
+"""The planner on real workflows: calibration on a live cluster, `af.plan`, auto following the plan,
+projections onto shipped GPU profiles, and `aaflow plan` / `aaflow calibrate` errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import aaflow as af
+from aaflow.calibration import calibrate, model_key
+from costmodel.hardware import HardwareProfile
+
+DOC = "Shared context: KV caches keep keys and values. " * 8
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_llama_dir, tmp_path_factory):
+    cluster = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    out = tmp_path_factory.mktemp("hw") / "tiny.yaml"
+    profile = calibrate(cluster, name="tiny-test", out=out, transports=("ray",), progress=None)
+    yield cluster, str(tiny_llama_dir), profile, out
+    cluster.shutdown()
+
+
+def map_reduce(model):
+    wf = af.Workflow("map-reduce")
+    paper = wf.context("paper", DOC)
+    revs = [wf.agent(f"r{i}", model, [paper, f"Review aspect {i}."], max_tokens=6) for i in range(3)]
+    wf.agent("meta", model, [paper, *revs, "Meta-review."], max_tokens=6)
+    return wf
+
+
+def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):
+    import ray
+
+    cluster, _, profile, out = calibrated
+    key = model_key(ray.get(cluster.replicas()[0].actor.info.remote()))
+    assert profile.measured and key in profile.compute and "ray" in profile.links
+    compute = profile.compute[key]
+    assert compute.prefill_time(256) > compute.prefill_time(16) > 0  # more tokens never cost less
+    assert compute.decode_step_time(8) >= compute.decode_step_time(1) > 0
+    assert profile.links["ray"].bandwidth_bytes_per_s > 1e6 and profile.call_overhead_s > 0
+    assert HardwareProfile.load(out) == profile
+
+
+def test_plan_covers_every_agent_and_run_follows_it(calibrated):
+    cluster, model, profile, _ = calibrated
+    wf = map_reduce(model)
+    plan = af.plan(wf, cluster, hardware=profile)
+    assert set(plan.decisions) == {"r0", "r1", "r2", "meta"} and not plan.projection
+    assert plan.predicted.makespan_s <= plan.baseline.makespan_s  # never predicted worse than text
+    text = plan.explain()
+    assert all(name in text for name in plan.decisions) and "PROJECTION" not in text
+    baseline = af.run(wf, cluster, strategy="text")
+    res = af.run(wf, cluster, strategy="auto", plan=plan)
+    assert {n: a.strategy for n, a in res.agents.items()} == plan.decisions
+    assert all(res[n].token_ids == baseline[n].token_ids for n in plan.decisions)
+    json.dumps(plan.to_dict())
+
+
+def test_projection_onto_a_shipped_gpu_profile_is_labelled(calibrated):
+    _, model, _, _ = calibrated
+    plan = af.plan(map_reduce(model), {model: 2}, hardware="a100-80gb", link="25Gbps")
+    assert plan.projection and plan.hardware_name == "a100-80gb"
+    assert "PROJECTION (not measured here)" in plan.explain()
+
+
+def test_plan_refuses_unknown_hardware_and_bad_links(calibrated):
+    _, model, profile, _ = calibrated
+    with pytest.raises(af.CostModelError, match="no-such-gpu"):
+        af.plan(map_reduce(model), {model: 2}, hardware="no-such-gpu")
+    with pytest.raises(af.CostModelError, match="fast-ish"):
+        af.plan(map_reduce(model), {model: 2}, hardware=profile, link="fast-ish")
+
+
+def test_plan_without_a_profile_says_to_calibrate(calibrated, monkeypatch, tmp_path):
+    _, model, _, _ = calibrated
+    monkeypatch.setattr("aaflow.calibration.default_profile_name", lambda: "never-calibrated-host")
+    monkeypatch.setenv("AAFLOW_CACHE_DIR", str(tmp_path))
+    with pytest.raises(af.CostModelError, match="aaflow calibrate"):
+        af.plan(map_reduce(model), {model: 2})
+
+
+def test_cli_plan_projects_a_yaml_workflow(calibrated, tmp_path):
+    _, model, _, _ = calibrated
+    path = tmp_path / "wf.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "pair", "contexts": {"doc": DOC},
+        "agents": {"a": {"model": model, "prompt": [{"ref": "doc"}, "Go."], "max_tokens": 4},
+                   "b": {"model": model, "prompt": [{"ref": "doc"}, {"ref": "a"}, "Next."], "max_tokens": 4}}}))
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "aaflow.cli", "plan", str(path), "--hardware", "h100",
+                           "--link", "100Gbps", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "PROJECTION" in proc.stdout and set(json.loads(out.read_text())["decisions"]) == {"a", "b"}
