@@ -13,6 +13,12 @@ BENCHMARKS = {
     "transfer": "benchmarks.kv_transfer_bench",
     "workflow": "benchmarks.workflow_bench",
     "compose": "benchmarks.compose_bench",
+    "crossover": "benchmarks.crossover_bench",
+    "planner": "benchmarks.planner_bench",
+    "scaling": "benchmarks.scaling_bench",
+    "overhead": "benchmarks.overhead_bench",
+    "consistency": "benchmarks.consistency_bench",
+    "workflows": "benchmarks.workflows_bench",
 }
 
 DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste compute re-reading shared context?"
@@ -128,8 +134,9 @@ def _bench(args) -> int:
             module = importlib.import_module(module_name)
             sub = argparse.ArgumentParser()
             module.add_arguments(sub)
-            print(f"aaflow bench all: {name} ...", flush=True)
-            module.run(sub.parse_args([]))
+            quick = getattr(args, "quick", False) and any("--quick" in a.option_strings for a in sub._actions)
+            print(f"aaflow bench all: {name}{' --quick' if quick else ''} ...", flush=True)
+            module.run(sub.parse_args(["--quick"] if quick else []))
         return 0
     module = importlib.import_module(BENCHMARKS[args.name])
     module.run(args)
@@ -195,7 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         module.add_arguments(p)
         p.set_defaults(func=_bench)
-    bench_sub.add_parser("all", help="every benchmark with its defaults").set_defaults(func=_bench)
+    bench_all = bench_sub.add_parser("all", help="every benchmark with its defaults")
+    bench_all.add_argument("--quick", action="store_true", help="pass --quick to every benchmark that has it")
+    bench_all.set_defaults(func=_bench)
     return parser
 
 

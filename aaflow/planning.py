@@ -86,7 +86,9 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
 
 def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
     """Add an emulated link ("ray@100Mbps,1ms": the real `ray` link capped) to the profile under its
-    own name: bandwidth the lower of the two, latency the sum (an emulator only slows a link down)."""
+    own name. The emulator caps only the fetch, while the real link's time also covers the gather
+    on the source and the import on the destination, so the two add up: seconds per byte and
+    latencies are summed (the fetch itself, a small part of the real time, is counted twice)."""
     if "@" not in link or link in profile.links:
         return profile
     from cluster.transports.emulated import parse_link_spec
@@ -94,7 +96,8 @@ def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
 
     base, bandwidth, latency = parse_link_spec(link)
     real = profile.links.get(base, LinkProfile(float("inf"), 0.0))
-    return profile.with_link(link, LinkProfile(min(bandwidth, real.bandwidth_bytes_per_s), real.latency_s + latency))
+    combined = 1 / (1 / bandwidth + 1 / real.bandwidth_bytes_per_s)
+    return profile.with_link(link, LinkProfile(combined, real.latency_s + latency))
 
 
 def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link: str | None = None,

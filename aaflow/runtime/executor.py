@@ -52,6 +52,11 @@ class _Agent:
     busy: bool = False  # a prefill of this agent is queued or running
 
     @property
+    def prefix_key(self) -> tuple[str, tuple[int, ...]]:
+        """(model, static prefix ids): the KV of a prefix is shared only between replicas of one model."""
+        return self.node.model, static_prefix(self.segments)
+
+    @property
     def sampling(self) -> SamplingParams:
         n = self.node
         return SamplingParams(max_new_tokens=n.max_tokens, temperature=n.temperature, top_p=n.top_p, seed=n.seed,
@@ -84,7 +89,7 @@ class Executor(PrefixSharing, Recovery):
         self.inflight: dict = {}  # ObjectRef -> (replica name, callback, kind)
         self.involved: dict = {}  # ObjectRef -> names of the agents a call works for
         self.last_kind: dict[str, str] = {}
-        self.prefix_refs: dict[tuple, dict[str, str]] = {}  # prefix ids -> {replica: ref id}
+        self.prefix_refs: dict[tuple, dict[str, str]] = {}  # (model, prefix ids) -> {replica: ref id}
         self.prefix_waiters: dict[tuple, list[_Agent]] = {}
         self.transferring: dict[tuple, tuple | None] = {}  # prefix + (dest,) -> (source, handle, transport)
         self.prefix_origin: dict[tuple, str] = {}  # prefix -> replica materializing it
@@ -99,7 +104,7 @@ class Executor(PrefixSharing, Recovery):
         if not alive:
             raise AgentFailedError(f"agent {agent.node.name!r}: no live replica serves {agent.node.model!r}")
         load = {r.name: sum(1 for a in self.agents.values() if a.replica is r and a.state != "done") for r in alive}
-        holders = self.prefix_refs.get(static_prefix(agent.segments), {})
+        holders = self.prefix_refs.get(agent.prefix_key, {})
         best = min(alive, key=lambda r: load[r.name] - (1.5 if r.name in holders else 0)
                    - (100 if r.name == agent.kv.replica else 0))
         agent.replica, agent.result.replica = best, best.name
@@ -134,10 +139,10 @@ class Executor(PrefixSharing, Recovery):
     def _open(self, agent: _Agent) -> None:
         self._place(agent)
         agent.state = "opening"
-        prefix = static_prefix(agent.segments)
         shares = agent.strategy in SHARES_PREFIX and agent.strategy != "auto"
-        if shares or agent.kv.share_prefix or (agent.strategy == "auto" and len(prefix) >= AUTO_MIN_SHARED_PREFIX):
-            self._with_prefix(agent, prefix)
+        long_prefix = len(static_prefix(agent.segments)) >= AUTO_MIN_SHARED_PREFIX
+        if shares or agent.kv.share_prefix or (agent.strategy == "auto" and long_prefix):
+            self._with_prefix(agent, agent.prefix_key)
             return
         self._call(agent.replica, "open", "session_open", agent.sid, then=lambda _: self._opened(agent))
 
@@ -153,7 +158,7 @@ class Executor(PrefixSharing, Recovery):
             agent.result.prefill_reused += prefix_len
             agent.result.prompt_tokens += prefix_len
             if agent.evicts_prefix:
-                self._evict_if_forked(static_prefix(agent.segments))
+                self._evict_if_forked(agent.prefix_key)
         self._advance(agent)
 
     def _feedable(self, agent: _Agent) -> tuple[list[int], bool, int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aaflow.runtime.prompts import static_prefix
 
 if TYPE_CHECKING:
     from aaflow.runtime.executor import _Agent
@@ -16,12 +15,13 @@ class PrefixSharing:
     """Mixin for `Executor` (uses its prefix tables, `_call` and `_opened`)."""
 
     def _with_prefix(self, agent: _Agent, prefix: tuple) -> None:
-        """Fork the prefix's KV on the agent's replica, materializing or transferring it first."""
+        """Fork the prefix's KV on the agent's replica, materializing or transferring it first.
+        `prefix` is (model, token ids); tables are keyed by it, plus a replica name where needed."""
         holders = self.prefix_refs.setdefault(prefix, {})
         rname = agent.replica.name
         if rname in holders:
             self._call(agent.replica, "open", "session_open", agent.sid, holders[rname],
-                       then=lambda _: self._opened(agent, prefix_len=len(prefix)))
+                       then=lambda _: self._opened(agent, prefix_len=len(prefix[1])))
             return
         waiting = self.prefix_waiters.setdefault(prefix + (rname,), [])
         waiting.append(agent)
@@ -32,7 +32,7 @@ class PrefixSharing:
             self._transfer_prefix(prefix, source, agent.replica, holders[source.name])
         elif prefix not in self.prefix_origin:  # compute it once; other replicas wait to receive it
             self.prefix_origin[prefix] = agent.replica.name
-            self._call(agent.replica, "prefill", "materialize", list(prefix),
+            self._call(agent.replica, "prefill", "materialize", list(prefix[1]),
                        then=lambda rec: self._prefix_ready(prefix, agent.replica, rec.id, 0))
 
     def _transfer_prefix(self, prefix: tuple, source, dest, ref_id: str) -> None:
@@ -66,11 +66,11 @@ class PrefixSharing:
     def _evict_if_forked(self, prefix: tuple) -> None:
         """An evict node named a context of this prefix: free its shared KV once every agent that
         shares it has forked it (an agent restarted later materializes it again)."""
-        sharers = [a for a in self.agents.values() if static_prefix(a.segments) == prefix and a.evicts_prefix]
+        sharers = [a for a in self.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
         if any(a.state in ("new", "opening") for a in sharers):
             return
         for rname, ref_id in self.prefix_refs.pop(prefix, {}).items():
             if rname not in self.dead:
                 self._call(next(r for r in self.cluster.replicas() if r.name == rname), "close", "free", ref_id)
         self.prefix_origin.pop(prefix, None)
-        self.events.append(f"{self.now():.2f}s evicted a shared prefix of {len(prefix)} tokens")
+        self.events.append(f"{self.now():.2f}s evicted a shared prefix of {len(prefix[1])} tokens")

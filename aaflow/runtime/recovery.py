@@ -74,7 +74,7 @@ class Recovery:
                     source, handle, transport = pending
                     self._call(source, "transfer", "release", handle, transport)
                 prefix, dest = key[:-1], next(r for r in self.cluster.replicas() if r.name == key[-1])
-                self._call(dest, "prefill", "materialize", list(prefix),
+                self._call(dest, "prefill", "materialize", list(prefix[1]),
                            then=lambda rec, p=prefix, r=dest: self._prefix_ready(p, r, rec.id, 0))
             return
         failed = involved or [a.node.name for a in self._agents_on(rname) if a.state != "done"]

@@ -1,0 +1,186 @@
+"""`aaflow bench planner`: the cost model against measurement, and the planner's choices.
+
+Grid: shared context length C x upstream output length O x link (the real transports and
+emulated `ray@<bandwidth>` links). Each cell is an A -> B workflow on a two-replica SmolLM2
+cluster: A reads the context and writes O tokens; B reads the context and A's output and writes
+8. Every strategy is run (text, recompute, stream, transfer, transfer+stream, and auto = the
+planner's choice) from cold prefix caches and its wall time compared with the simulator's
+prediction, made from a profile calibrated in the same run. Reported: median and worst
+|predicted - measured| / measured, and how often the planner's measured time is within 10% of the
+measured best and not worse than text. Then the transfer-vs-recompute crossover
+(`benchmarks.crossover_bench`). Different-model cells are not in the grid (see RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks.common import log, machine_facts, write_json
+
+LINK_FREE = ("text", "recompute", "stream")
+LINKED = ("transfer", "transfer+stream", "auto")
+
+
+def context_text(tokenizer, tokens: int) -> str:
+    from configs import CONFIG_DIR
+
+    paper = (CONFIG_DIR / "workflows" / "paper.txt").read_text()
+    ids = tokenizer.encode("\n\n".join([paper] * (tokens // 400 + 1)), add_special_tokens=False)[:tokens]
+    return tokenizer.decode(ids)
+
+
+def edge_workflow(context: str, upstream_tokens: int):
+    import aaflow as af
+
+    wf = af.Workflow("edge")
+    ctx = wf.context("ctx", context)
+    a = wf.agent("A", "smollm2", [ctx, "Summarize the key point of this text."], max_tokens=upstream_tokens,
+                 ignore_eos=True)
+    wf.agent("B", "smollm2", [ctx, "A colleague wrote:", a, "Answer in one sentence: is it right?"], max_tokens=8,
+             ignore_eos=True)
+    return wf
+
+
+class Predictor:
+    """Simulated makespans from the calibrated profile, per strategy and link."""
+
+    def __init__(self, cluster, profile, chunk_tokens: int) -> None:
+        from aaflow.planning import model_profiles, replica_infos, replica_names
+
+        self.profile, self.chunk = profile, chunk_tokens
+        self.models = model_profiles(replica_infos(cluster))
+        self.replicas = replica_names(cluster)
+
+    def __call__(self, spec, strategy: str, link: str) -> float:
+        from aaflow.planning import with_emulated_link
+        from costmodel.simulate import simulate
+        from costmodel.workflow_spec import ClusterSpec
+
+        profile = with_emulated_link(self.profile, link)
+        cspec = ClusterSpec(self.replicas, link=link, chunk_tokens=self.chunk)
+        return simulate(spec, cspec, profile, self.models, {a.name: strategy for a in spec.agents},
+                        call_overhead_s=profile.call_overhead_s).makespan_s
+
+
+def _measure(af, ray, cluster, wf, strategy, link, chunk, repeats, plan=None) -> float:
+    samples = []
+    for _ in range(repeats):
+        ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
+        res = af.run(wf, cluster, strategy=strategy, chunk_tokens=chunk, transport=link, plan=plan)
+        samples.append(res.wall_s)
+    return statistics.median(samples)
+
+
+def run_grid(af, ray, cluster, profile, args) -> list[dict]:
+    from aaflow.planning import plan as make_plan
+    from aaflow.planning import workflow_spec
+    from aaflow.runtime import _builders
+
+    builders, _, _ = _builders({"smollm2"})
+    tokenizer = builders["smollm2"].tokenizer
+    predict = Predictor(cluster, profile, args.chunk_tokens)
+    cells = []
+    for tokens in args.contexts:
+        context = context_text(tokenizer, tokens)
+        for out in args.outputs:
+            wf = edge_workflow(context, out)
+            spec = workflow_spec(wf, builders)
+            free = {s: _measure(af, ray, cluster, wf, s, "ray", args.chunk_tokens, args.repeats) for s in LINK_FREE}
+            for link in args.links:
+                plan = make_plan(wf, cluster, hardware=profile, transport=link, chunk_tokens=args.chunk_tokens,
+                                 progress=None)
+                measured = dict(free)
+                for s in LINKED:
+                    measured[s] = _measure(af, ray, cluster, wf, s, link, args.chunk_tokens, args.repeats,
+                                           plan if s == "auto" else None)
+                predicted = {s: predict(spec, s, link) for s in LINK_FREE + LINKED[:2]}
+                predicted["auto"] = plan.predicted.makespan_s
+                best = min(v for s, v in measured.items() if s != "auto")
+                cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link, "measured_s": measured,
+                        "predicted_s": predicted, "plan": plan.decisions,
+                        "errors": {s: abs(predicted[s] - measured[s]) / measured[s] for s in measured},
+                        "auto_within_10pct_of_best": measured["auto"] <= 1.10 * best,
+                        "auto_not_worse_than_text": measured["auto"] <= measured["text"]}
+                cells.append(cell)
+                log(f"C={tokens} O={out} {link}: " + ", ".join(
+                    f"{s} {measured[s]:.2f}/{predicted[s]:.2f}" for s in measured) + f" | plan {plan.decisions}")
+    return cells
+
+
+def summarize(cells: list[dict]) -> dict:
+    errors = [(e, c["context_tokens"], c["upstream_tokens"], c["link"], s)
+              for c in cells for s, e in c["errors"].items()]
+    worst = max(errors)
+    return {
+        "cells": len(cells), "median_abs_rel_error": statistics.median(e for e, *_ in errors),
+        "worst": {"error": worst[0], "context_tokens": worst[1], "upstream_tokens": worst[2], "link": worst[3],
+                  "strategy": worst[4]},
+        "auto_within_10pct_of_best": sum(c["auto_within_10pct_of_best"] for c in cells) / len(cells),
+        "auto_not_worse_than_text": sum(c["auto_not_worse_than_text"] for c in cells) / len(cells),
+        "targets": {"median_abs_rel_error": 0.15, "auto_within_10pct_of_best": 0.90, "crossover_error": 0.25},
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a small grid and a one-context crossover")
+    p.add_argument("--contexts", type=int, nargs="+", default=None)
+    p.add_argument("--outputs", type=int, nargs="+", default=None)
+    p.add_argument("--links", nargs="+", default=None)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--no-crossover", action="store_true")
+    p.add_argument("--out", default="results/planner.json")
+
+
+def run(args) -> dict:
+    import ray
+
+    import aaflow as af
+    from aaflow.calibration import calibrate
+    from benchmarks import crossover_bench
+
+    args.contexts = args.contexts or ([256, 1024, 3072] if args.quick else [256, 1024, 2048, 4096, 8192])
+    args.outputs = args.outputs or ([16, 64] if args.quick else [16, 64, 256, 512])
+    args.links = args.links or (["ray", "ray@200Mbps"] if args.quick else
+                                ["ray", "nixl", "ray@100Mbps", "ray@1Gbps", "nixl@10Gbps", "nixl@25Gbps"])
+    cluster = af.init(replicas={"smollm2": 2}, kv_cache_bytes=6 * max(args.contexts) * 23040 * 2)
+    try:
+        log("calibrating this machine in the same run (the cost model's input) ...")
+        transports = tuple(dict.fromkeys(link.split("@")[0] for link in args.links))
+        profile = calibrate(cluster, quick=True, transports=transports, progress=log)
+        cells = run_grid(af, ray, cluster, profile, args)
+    finally:
+        cluster.shutdown()
+    report = {"benchmark": "planner", "machine": machine_facts(), "profile": profile.to_dict(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
+              "summary": summarize(cells), "grid": cells}
+    if not args.no_crossover:
+        xargs = argparse.Namespace(quick=args.quick, tokens=None, mbps=[50, 100, 200, 400, 800, 1600, 3200],
+                                   repeats=2 if args.quick else 3, out=args.out.replace(".json", "-crossover.json"))
+        report["crossover"] = crossover_bench.run(xargs)["contexts"]
+    log(f"planner summary: {report['summary']}")
+    write_json(args.out, report)
+    _plot(report, args.out.replace(".json", ".png"))
+    return report
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for strategy in LINK_FREE + LINKED:
+        xs = [c["measured_s"][strategy] for c in report["grid"]]
+        ys = [c["predicted_s"][strategy] for c in report["grid"]]
+        ax.scatter(xs, ys, s=14, label=strategy)
+    top = max(max(c["measured_s"].values()) for c in report["grid"]) * 1.1
+    ax.plot([0, top], [0, top], "k:", linewidth=1)
+    ax.set(xscale="log", yscale="log", xlabel="measured wall time (s)", ylabel="predicted (s)",
+           title=f"planner grid: median error {report['summary']['median_abs_rel_error']:.0%}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")

