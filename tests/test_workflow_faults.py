@@ -72,11 +72,13 @@ def test_smollm2_review_workflow_identical_across_strategies_in_fp32(smollm2_dir
     cluster = af.init(replicas={"smollm2": 2}, num_cpus=2, dtype="float32")
     try:
         baseline = af.run(wf, cluster, strategy="text")
-        for strategy in ("stream", "auto"):
-            res = af.run(wf, cluster, strategy=strategy)
+        runs = {}
+        for strategy in ("transfer+stream", "auto"):
+            runs[strategy] = res = af.run(wf, cluster, strategy=strategy)
             for name, agent in res.agents.items():
                 assert agent.token_ids == baseline[name].token_ids, f"{strategy}/{name}: {agent.text!r}"
-        assert res.metrics["prefill_computed"] < baseline.metrics["prefill_computed"] / 3
-        assert res["meta"].streamed_tokens > 0
+        shared = runs["transfer+stream"]
+        assert shared.metrics["prefill_computed"] < baseline.metrics["prefill_computed"] / 3
+        assert shared["meta"].streamed_tokens > 0 and shared.metrics["bytes_moved"] > 0
     finally:
         cluster.shutdown()
