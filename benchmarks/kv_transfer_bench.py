@@ -31,6 +31,8 @@ def _transfer_once(ray, src, dst, ref_id: str, transport: str):
 
 
 def run(args) -> dict:
+    if getattr(args, "quick", False):
+        args.lengths, args.repeats = [512, 4096], 2
     import ray
 
     from aaflow.models import resolve_model_path
@@ -100,3 +102,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", nargs="*", default=None, help="default: every available one")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/transfer.json")
+    p.add_argument("--quick", action="store_true", help="two lengths, two repeats")

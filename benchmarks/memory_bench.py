@@ -17,6 +17,8 @@ from benchmarks.common import log, machine_facts, write_json
 
 
 def run(args) -> dict:
+    if getattr(args, "quick", False):
+        args.context = min(args.context, 2048)
     import aaflow as af
     from operators import KVHost, extend
 
@@ -80,3 +82,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--private", type=int, default=256)
     p.add_argument("--out", default="results/memory.json")
+    p.add_argument("--quick", action="store_true", help="a 2,048-token context")

@@ -7,8 +7,8 @@ cluster: A reads the context and writes O tokens; B reads the context and A's ou
 planner's choice) from cold prefix caches and its wall time compared with the simulator's
 prediction, made from a profile calibrated in the same run. Reported: median and worst
 |predicted - measured| / measured, and how often the planner's measured time is within 10% of the
-measured best and not worse than text. Then the transfer-vs-recompute crossover
-(`benchmarks.crossover_bench`). Different-model cells are not in the grid (see RESULTS.md).
+measured best and not worse than text. The transfer-vs-recompute crossover is its own benchmark
+(`aaflow bench crossover`). Different-model cells are not in the grid (see RESULTS.md).
 """
 
 from __future__ import annotations
@@ -127,9 +127,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--outputs", type=int, nargs="+", default=None)
     p.add_argument("--links", nargs="+", default=None)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--chunk-tokens", type=int, default=16)
-    p.add_argument("--no-crossover", action="store_true")
     p.add_argument("--out", default="results/planner.json")
 
 
@@ -138,7 +137,6 @@ def run(args) -> dict:
 
     import aaflow as af
     from aaflow.calibration import calibrate
-    from benchmarks import crossover_bench
 
     args.contexts = args.contexts or ([256, 1024, 3072] if args.quick else [256, 1024, 2048, 4096, 8192])
     args.outputs = args.outputs or ([16, 64] if args.quick else [16, 64, 256, 512])
@@ -155,10 +153,6 @@ def run(args) -> dict:
     report = {"benchmark": "planner", "machine": machine_facts(), "profile": profile.to_dict(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
               "summary": summarize(cells), "grid": cells}
-    if not args.no_crossover:
-        xargs = argparse.Namespace(quick=args.quick, tokens=None, mbps=[50, 100, 200, 400, 800, 1600, 3200],
-                                   repeats=2 if args.quick else 3, out=args.out.replace(".json", "-crossover.json"))
-        report["crossover"] = crossover_bench.run(xargs)["contexts"]
     log(f"planner summary: {report['summary']}")
     write_json(args.out, report)
     _plot(report, args.out.replace(".json", ".png"))

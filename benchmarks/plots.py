@@ -38,7 +38,7 @@ def _bars(ax, series: dict) -> None:
         ys = [points[c] for c in cats if points.get(c) is not None]
         ax.bar(xs, ys, width=width, label=str(label))
     ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(cats))])
-    ax.set_xticklabels([str(c) for c in cats], rotation=20 if len(cats) > 4 else 0)
+    ax.set_xticklabels([str(c) for c in cats], rotation=30 if len(cats) > 4 else 0, ha="right" if len(cats) > 4 else "center")
 
 
 def write_plot(json_path: str | Path, panels: list[dict], suptitle: str | None = None) -> Path:

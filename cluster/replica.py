@@ -29,6 +29,7 @@ class RefRecord:
     token_ids: tuple[int, ...]
     nbytes: int
     fidelity: FidelityReport | None  # None: exact KV
+    computed: int = 0  # tokens the call that made it computed (materialize: prefix-cache hits excluded)
 
     @property
     def exact(self) -> bool:
@@ -91,9 +92,9 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration):
     def clear_prefix_cache(self) -> None:
         self.engine.clear_prefix_cache()
 
-    def _record(self, ref: KVRef) -> RefRecord:
+    def _record(self, ref: KVRef, computed: int = 0) -> RefRecord:
         self._refs[ref.id] = ref
-        return RefRecord(ref.id, self.name, ref.fingerprint, ref.token_ids, ref.nbytes, ref.fidelity)
+        return RefRecord(ref.id, self.name, ref.fingerprint, ref.token_ids, ref.nbytes, ref.fidelity, computed)
 
     def _ref(self, ref_id: str) -> KVRef:
         from aaflow.errors import KVRefFreedError
@@ -106,7 +107,9 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration):
     def materialize(self, text_or_ids: str | Sequence[int], lineage: bool = True) -> RefRecord:
         from operators import materialize
 
-        return self._record(materialize(self.host, text_or_ids, lineage=lineage))
+        before = self.engine.stats().tokens_computed
+        ref = materialize(self.host, text_or_ids, lineage=lineage)
+        return self._record(ref, self.engine.stats().tokens_computed - before)
 
     def generate(self, ref_id: str, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, **sampling):
         from operators import generate

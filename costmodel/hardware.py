@@ -110,11 +110,16 @@ class HardwareProfile:
     mfu: float = 0.5  # fraction of peak reached by prefill
     memory_bytes_per_s: float | None = None  # HBM/DRAM bandwidth (decode of unlisted models)
     call_overhead_s: float = 0.0  # fixed cost of one replica call (RPC), measured by `aaflow calibrate`
+    concurrency_slowdown: float = 1.0  # compute runs this many times slower while another replica computes
+    # on the same machine (shared cores, memory bandwidth); 1.0 for replicas on separate devices
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.memcpy_bytes_per_s) and self.memcpy_bytes_per_s > 0):
             raise CostModelError(f"hardware {self.name!r}: memcpy_bytes_per_s must be positive, "
                                  f"got {self.memcpy_bytes_per_s!r}")
+        if not (math.isfinite(self.concurrency_slowdown) and self.concurrency_slowdown >= 1):
+            raise CostModelError(f"hardware {self.name!r}: concurrency_slowdown must be >= 1, "
+                                 f"got {self.concurrency_slowdown!r}")
         if not (math.isfinite(self.call_overhead_s) and self.call_overhead_s >= 0):
             raise CostModelError(f"hardware {self.name!r}: call_overhead_s must be >= 0, got {self.call_overhead_s!r}")
         if not 0 < self.mfu <= 1:

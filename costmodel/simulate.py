@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "AgentTiming", "SimResult", "simulate"]
 
+COMPUTE_KINDS = ("prefill", "step")  # calls that compete for the machine's cores
+
 
 @dataclass(frozen=True)
 class AgentTiming:
@@ -83,6 +85,7 @@ class _Simulation(PrefixSharing):
                 raise CostModelError(f"agent {task.name!r}: no ModelProfile for model {task.model!r}; "
                                      f"profiles given: {sorted(models)}")
         self.cluster, self.overhead = cluster, call_overhead_s
+        self.slowdown = hardware.concurrency_slowdown
         self.chunk = cluster.chunk_tokens
         self.link = hardware.link(cluster.link)
         self.memcpy_bytes_per_s = hardware.memcpy_bytes_per_s
@@ -136,6 +139,8 @@ class _Simulation(PrefixSharing):
                 self._start(r, call.kind, seconds, call.then, value)
 
     def _start(self, r: ReplicaState, kind: str, seconds: float, then, value) -> None:
+        if kind in COMPUTE_KINDS and any(self.replicas[n].last_kind in COMPUTE_KINDS for n in self.inflight):
+            seconds *= self.slowdown  # another replica of this machine computes at the same time
         r.busy_s += seconds
         r.last_kind = kind
         self.launched += 1

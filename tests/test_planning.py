@@ -44,6 +44,7 @@ def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):
     assert compute.prefill_time(256) > compute.prefill_time(16) > 0  # more tokens never cost less
     assert compute.decode_step_time(8) >= compute.decode_step_time(1) > 0
     assert profile.links["ray"].bandwidth_bytes_per_s > 1e6 and profile.call_overhead_s > 0
+    assert profile.concurrency_slowdown >= 1.0
     assert HardwareProfile.load(out) == profile
 
 

@@ -205,3 +205,58 @@ def test_vllm_refuses_foreign_kv_before_loading(vllm_engine, builtin_engine):
         vllm_engine.generate(ids, kv=replace(export, kv=export.kv[:, :, :, :2]))
     with pytest.raises(KVImportError, match="prefix"):
         vllm_engine.generate([ids[0] + 1] + ids[1:], kv=export)
+
+
+# --- step-level requests (what cluster.vllm_replica's sessions use) ----------------------------
+def test_step_requests_coexist_with_one_shot_generation(vllm_engine):
+    """A long-lived request keeps its tokens while a one-shot batch steps the same engine."""
+    from aaflow.engine import SamplingParams
+
+    ids = vllm_engine.encode(vllm_engine.chat_prompt("Name three rivers of Europe."))
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    expected = vllm_engine.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids
+    vllm_engine.start_request("s1", ids, params)
+    try:
+        first = vllm_engine.next_tokens(["s1"])[0]["token"]
+        other = vllm_engine.generate("The sky is", max_new_tokens=12, ignore_eos=True)  # steps s1 too
+        assert len(other.token_ids) == 12
+        rest = [vllm_engine.next_tokens(["s1"])[0]["token"] for _ in range(9)]
+        assert [first] + rest == expected
+        with pytest.raises(VLLMUnavailableError, match="no more tokens"):
+            vllm_engine.next_tokens(["s1"])
+        assert vllm_engine.server_stats()["running"] == 1
+    finally:
+        vllm_engine.abort_requests(["s1"])
+    assert vllm_engine.server_stats() == {"running": 0, "used_blocks": 0}
+
+
+def test_step_request_loads_staged_kv(vllm_engine, builtin_engine):
+    from aaflow.engine import SamplingParams
+
+    ids, k = _split_prompt(builtin_engine)
+    s = builtin_engine.new_sequence()
+    builtin_engine.prefill(s, ids[:k])
+    export = builtin_engine.export_kv(s)
+    builtin_engine.free(s)
+    vllm_engine.reset_prefix_cache()
+    path = vllm_engine.stage_kv(export, ids)
+    try:
+        vllm_engine.start_request("s2", ids, SamplingParams(max_new_tokens=4, ignore_eos=True), kv_file=path)
+        out = vllm_engine.next_tokens(["s2"])[0]
+        assert out["num_cached_tokens"] >= k and out["refused"] is None
+    finally:
+        vllm_engine.abort_requests(["s2"])
+        vllm_engine.unstage_kv(path)
+    assert not path.exists()
+    vllm_engine.reset_prefix_cache()
+    from aaflow.engines_vllm.kvfile import write_kv_file
+
+    bad = vllm_engine._new_file()  # a foreign model's KV, past the aaflow-side check: the connector refuses it
+    write_kv_file(bad, "0" * 64, export.token_ids, export.kv)
+    try:
+        vllm_engine.start_request("s3", ids, SamplingParams(max_new_tokens=4), kv_file=bad)
+        with pytest.raises(KVImportError, match="refused"):
+            vllm_engine.next_tokens(["s3"])
+    finally:
+        vllm_engine.abort_requests(["s3"])
+        vllm_engine.unstage_kv(bad)

@@ -124,6 +124,7 @@ def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strateg
         shared = res["a0"].prefill_reused
         assert shared >= len(DOC.encode()) and res.metrics["bytes_moved"] > 0
         assert computed == shared + sum(p - shared for p in prompts) + decode_steps
+        assert res.metrics["prefill_computed"] == computed - decode_steps  # the shared prefix is counted once
     else:
         if strategy == "auto":
             assert any(e.startswith("planner: ") for e in res.events)

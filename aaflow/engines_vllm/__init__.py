@@ -14,6 +14,7 @@ _EXPORTS = {
     "VLLMEngine": "aaflow.engines_vllm.engine",
     "VLLMUnavailableError": "aaflow.engines_vllm.errors",
     "VLLMKVLayoutError": "aaflow.engines_vllm.errors",
+    "VLLMUnsupportedError": "aaflow.engines_vllm.errors",
     "check_vllm": "aaflow.engines_vllm.process",
     "vllm_python": "aaflow.engines_vllm.process",
 }

@@ -185,6 +185,44 @@ class VLLMEngine:
         if n == 0:
             raise KVImportError("cannot import an empty KV export")
 
+    # --- step-level requests (sessions: see cluster.vllm_replica) ----------------------------
+    def start_request(self, rid: str, prompt_ids: Seq[int], params: SamplingParams, kv_file: Path | None = None,
+                      use_prefix_cache: bool = True) -> None:
+        """Add a request that stays in vLLM until it finishes or `abort_requests`; its tokens come
+        from `next_tokens`. `kv_file` (from `stage_kv`) is loaded through the aaflow connector."""
+        req = self._request(self._prompt_ids(prompt_ids), params, load=kv_file)
+        req["no_cache"] = not use_prefix_cache
+        self._call({"op": "add", "rid": rid, "request": req})
+
+    def next_tokens(self, rids: Seq[str]) -> list[dict]:
+        """One new token per request: {"token", "num_cached_tokens", "refused", "finished"}.
+
+        vLLM steps every running request together; tokens of the others wait in the server.
+        Raises `KVImportError` if the connector refused a request's KV (nothing was loaded).
+        """
+        outs = self._call({"op": "next_tokens", "rids": list(rids)})["outputs"]
+        for rid, out in zip(rids, outs):
+            if out["refused"]:
+                self.abort_requests([rid])
+                raise KVImportError(f"vLLM's aaflow connector refused the KV ({out['refused']}); nothing was loaded")
+        return outs
+
+    def abort_requests(self, rids: Seq[str]) -> None:
+        """Remove requests from vLLM (finished or not); unknown ids are ignored."""
+        self._call({"op": "abort", "rids": list(rids)})
+
+    def server_stats(self) -> dict:
+        """{"running": requests held by the server, "used_blocks": KV blocks they hold (None if unknown)}."""
+        return self._call({"op": "stats"})["stats"]
+
+    def stage_kv(self, kv, prompt_ids: Seq[int]) -> Path:
+        """Check `kv` against this model and the prompt, write it where the vLLM process reads it;
+        remove the file with `unstage_kv` when no request needs it any more."""
+        return self._stage_kv(kv, [int(t) for t in prompt_ids])
+
+    def unstage_kv(self, path: Path | None) -> None:
+        self._unlink(path)
+
     # --- internals --------------------------------------------------------------------------
     def _stage_kv(self, kv, prompt_ids: list[int]) -> Path:
         self.check_kv(kv)

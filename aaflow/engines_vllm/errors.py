@@ -17,3 +17,8 @@ class VLLMUnavailableError(AAFlowError, RuntimeError):
 
 class VLLMKVLayoutError(KVImportError):
     """vLLM's paged KV cache layout cannot be converted to or from aaflow's KV export layout."""
+
+
+class VLLMUnsupportedError(AAFlowError, NotImplementedError):
+    """An operation aaflow does not support on a vLLM replica (e.g. compose, approximate KV, a
+    transport other than "ray"); the message says what to do instead."""

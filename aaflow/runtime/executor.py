@@ -94,6 +94,7 @@ class Executor(PrefixSharing, Recovery):
         self.transferring: dict[tuple, tuple | None] = {}  # prefix + (dest,) -> (source, handle, transport)
         self.prefix_origin: dict[tuple, str] = {}  # prefix -> replica materializing it
         self.dead: set[str] = set()
+        self.shared_prefill_computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
 
     def now(self) -> float:
         return time.perf_counter() - self.start
@@ -319,7 +320,7 @@ class Executor(PrefixSharing, Recovery):
                 r.handoff_gap_s = r.first_token_s - max(ups)
             r.input_order = [s.agent for s in agent.segments if isinstance(s, AgentInput)]
         return RunResult(self.wf.name, self.strategy, {n: a.result for n, a in self.agents.items()},
-                         self.now(), self.events)
+                         self.now(), self.events, self.shared_prefill_computed)
 
 
 def _leading_contexts(wf, node: AgentNode) -> set[str]:

@@ -33,7 +33,7 @@ class PrefixSharing:
         elif prefix not in self.prefix_origin:  # compute it once; other replicas wait to receive it
             self.prefix_origin[prefix] = agent.replica.name
             self._call(agent.replica, "prefill", "materialize", list(prefix[1]),
-                       then=lambda rec: self._prefix_ready(prefix, agent.replica, rec.id, 0))
+                       then=lambda rec: self._prefix_materialized(prefix, agent.replica, rec))
 
     def _transfer_prefix(self, prefix: tuple, source, dest, ref_id: str) -> None:
         transport = self.transport or "ray"
@@ -53,6 +53,10 @@ class PrefixSharing:
 
         handle_of: list = []
         self._call(source, "transfer", "expose", ref_id, transport, then=exposed)
+
+    def _prefix_materialized(self, prefix: tuple, replica, record) -> None:
+        self.shared_prefill_computed += record.computed
+        self._prefix_ready(prefix, replica, record.id, 0)
 
     def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
         self.prefix_refs.setdefault(prefix, {})[replica.name] = ref_id

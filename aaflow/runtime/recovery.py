@@ -75,7 +75,7 @@ class Recovery:
                     self._call(source, "transfer", "release", handle, transport)
                 prefix, dest = key[:-1], next(r for r in self.cluster.replicas() if r.name == key[-1])
                 self._call(dest, "prefill", "materialize", list(prefix[1]),
-                           then=lambda rec, p=prefix, r=dest: self._prefix_ready(p, r, rec.id, 0))
+                           then=lambda rec, p=prefix, r=dest: self._prefix_materialized(p, r, rec))
             return
         failed = involved or [a.node.name for a in self._agents_on(rname) if a.state != "done"]
         waiting = sorted({c for name in failed for c in self.agents[name].consumers})

@@ -40,6 +40,7 @@ class RunResult:
     agents: dict[str, AgentResult]
     wall_s: float
     events: list[str] = field(default_factory=list)
+    shared_prefill_computed: int = 0  # tokens computed once to materialize prefixes that agents share
 
     def __getitem__(self, name: str) -> AgentResult:
         return self.agents[name]
@@ -52,7 +53,8 @@ class RunResult:
             row.pop("text")
         return {
             "workflow": self.workflow, "strategy": self.strategy, "wall_s": self.wall_s,
-            "prefill_computed": sum(a.prefill_computed for a in self.agents.values()),
+            "prefill_computed": sum(a.prefill_computed for a in self.agents.values()) + self.shared_prefill_computed,
+            "shared_prefill_computed": self.shared_prefill_computed,
             "prefill_reused": sum(a.prefill_reused for a in self.agents.values()),
             "streamed_tokens": sum(a.streamed_tokens for a in self.agents.values()),
             "bytes_moved": sum(a.bytes_moved for a in self.agents.values()),
