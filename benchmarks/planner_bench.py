@@ -123,11 +123,11 @@ def summarize(cells: list[dict]) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="a small grid and a one-context crossover")
+    p.add_argument("--quick", action="store_true", help="2 contexts x 1 output x 2 links, one repeat")
     p.add_argument("--contexts", type=int, nargs="+", default=None)
     p.add_argument("--outputs", type=int, nargs="+", default=None)
     p.add_argument("--links", nargs="+", default=None)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--out", default="results/planner.json")
 
@@ -138,8 +138,9 @@ def run(args) -> dict:
     import aaflow as af
     from aaflow.calibration import calibrate
 
-    args.contexts = args.contexts or ([256, 1024, 3072] if args.quick else [256, 1024, 2048, 4096, 8192])
-    args.outputs = args.outputs or ([16, 64] if args.quick else [16, 64, 256, 512])
+    args.contexts = args.contexts or ([256, 2048] if args.quick else [256, 1024, 2048, 4096, 8192])
+    args.outputs = args.outputs or ([16] if args.quick else [16, 64, 256, 512])
+    args.repeats = args.repeats or (1 if args.quick else 2)
     args.links = args.links or (["ray", "ray@200Mbps"] if args.quick else
                                 ["ray", "nixl", "ray@100Mbps", "ray@1Gbps", "nixl@10Gbps", "nixl@25Gbps"])
     cluster = af.init(replicas={"smollm2": 2}, kv_cache_bytes=6 * max(args.contexts) * 23040 * 2)

