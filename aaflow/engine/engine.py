@@ -14,17 +14,18 @@ from aaflow.engine.fingerprint import model_fingerprint, weights_digest
 from aaflow.engine.kv_cache import KVLayout
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.outputs import GenerationOutput
+from aaflow.engine.prompt_text import PromptText
 from aaflow.engine.runner import KVRunner
 from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engine.weights import load_weights
-from aaflow.errors import ModelNotFoundError, PromptError
+from aaflow.errors import ModelNotFoundError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
-class Engine:
+class Engine(PromptText):
     """A model replica's compute: prefill, decode, and the KV pool they share.
 
     Build one with `Engine.from_pretrained`. Not thread-safe: one caller at a time.
@@ -94,30 +95,6 @@ class Engine:
     @property
     def weight_nbytes(self) -> int:
         return self.runner.model.weights.nbytes()
-
-    # --- text -----------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
-
-    def decode_text(self, token_ids: Seq[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def chat_prompt(self, user: str, system: str | None = None) -> str:
-        """The model's chat template applied to one user turn, ready for generation."""
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.encode(prompt) if prompt else []
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        if not ids:
-            raise PromptError("the prompt is empty: give at least one token of text")
-        return ids
 
     # --- KV protocol (what operators and replicas build on) --------------------------------
     def new_sequence(self) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -20,15 +19,16 @@ from aaflow.engine.config import ModelConfig
 from aaflow.engine.engine import DTYPES
 from aaflow.engine.fingerprint import model_fingerprint, weights_digest
 from aaflow.engine.outputs import GenerationOutput
+from aaflow.engine.prompt_text import PromptText
 from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engines_vllm.errors import VLLMUnavailableError
 from aaflow.engines_vllm.kvfile import read_kv_file, write_kv_file
 from aaflow.engines_vllm.process import ServerProcess
-from aaflow.errors import KVImportError, ModelNotFoundError, PromptError
+from aaflow.errors import KVImportError, ModelNotFoundError
 
 
-class VLLMEngine:
+class VLLMEngine(PromptText):
     """A model replica's generation on vLLM (prefix caching on by default). Close it with `close()`.
 
     Not thread-safe: one caller at a time (each call blocks until vLLM answers).
@@ -100,26 +100,6 @@ class VLLMEngine:
     def reset_prefix_cache(self) -> None:
         """Forget vLLM's cached prefixes (benchmarks start each measurement cold)."""
         self._call({"op": "reset_prefix_cache"})
-
-    # --- text (same as aaflow.Engine) -------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
-
-    def decode_text(self, token_ids: Seq[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-    def chat_prompt(self, user: str, system: str | None = None) -> str:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
-        ids = (self.encode(prompt) if prompt else []) if isinstance(prompt, str) else [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
-        if not ids:
-            raise PromptError("the prompt is empty: give at least one token of text")
-        return ids
 
     # --- generation -------------------------------------------------------------------------
     def generate(self, prompt: str | Seq[int], max_new_tokens: int = 32, temperature: float = 0.0,
