@@ -13,8 +13,7 @@ import yaml
 import aaflow as af
 from aaflow.calibration import calibrate, model_key
 from costmodel.hardware import HardwareProfile
-
-DOC = "Shared context: KV caches keep keys and values. " * 8
+from tests.test_workflow_run import DOC, map_reduce
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +23,6 @@ def calibrated(tiny_llama_dir, tmp_path_factory):
     profile = calibrate(cluster, name="tiny-test", out=out, transports=("ray",), progress=None)
     yield cluster, str(tiny_llama_dir), profile, out
     cluster.shutdown()
-
-
-def map_reduce(model):
-    wf = af.Workflow("map-reduce")
-    paper = wf.context("paper", DOC)
-    revs = [wf.agent(f"r{i}", model, [paper, f"Review aspect {i}."], max_tokens=6) for i in range(3)]
-    wf.agent("meta", model, [paper, *revs, "Meta-review."], max_tokens=6)
-    return wf
 
 
 def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):

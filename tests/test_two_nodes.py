@@ -17,6 +17,7 @@ import sys
 import pytest
 
 import aaflow as af
+from tests.cluster_checks import assert_no_kv_left
 from tests.test_security import _listeners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +169,7 @@ def test_every_strategy_gives_the_text_baselines_tokens_across_nodes(two_nodes, 
             used = {a.replica for a in res.agents.values()}
             assert used == replicas, f"transfer should use both nodes' replicas, used {used}"
             assert res.metrics["bytes_moved"] > 0, "no KV crossed the node boundary under transfer"
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
 
 
 def test_nixl_moves_kv_across_nodes_exactly(two_nodes):
@@ -183,11 +184,5 @@ def test_nixl_moves_kv_across_nodes_exactly(two_nodes):
     res = af.run(wf, cluster, strategy="transfer", transport="nixl")
     assert {n: a.token_ids for n, a in res.agents.items()} == {n: a.token_ids for n, a in baseline.agents.items()}
     assert res.metrics["bytes_moved"] > 0
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
 
-
-def _assert_no_kv_left(cluster):
-    for r in cluster.replicas():
-        stats = ray.get(r.actor.stats.remote())
-        assert ray.get(r.actor.session_count.remote()) == 0, f"{r.name} still has sessions"
-        assert stats["refs"] == 0 and stats["used_blocks"] == 0, f"{r.name} holds KV after the run: {stats}"

@@ -8,7 +8,6 @@ AAFLOW_VLLM_PYTHON names a Python with vLLM). The "vLLM missing" tests always ru
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from dataclasses import replace

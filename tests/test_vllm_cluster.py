@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
+from tests.cluster_checks import assert_no_kv_left
 from aaflow.engines_vllm.errors import VLLMUnavailableError, VLLMUnsupportedError
 
 STRATEGIES = ["transfer", "stream"]
@@ -80,15 +81,6 @@ def map_reduce(map_model, reduce_model):
     return wf
 
 
-def _assert_no_kv_left(cluster):
-    import ray
-
-    for r in cluster.replicas():
-        stats = ray.get(r.actor.stats.remote())
-        assert ray.get(r.actor.session_count.remote()) == 0, f"{r.name} still has sessions"
-        assert stats["refs"] == 0 and stats["used_blocks"] == 0, f"{r.name} holds KV after the run: {stats}"
-
-
 @pytest.fixture(scope="module")
 def ref_engine():
     """The built-in engine in this process: it judges whether a greedy difference is a bf16 near-tie."""
@@ -149,7 +141,7 @@ def _check_strategies(cluster, wf, ref_engine):
                 differs.add(name)
         print(wf.name, strategy, {n: (a.replica, a.prefill_computed, a.prefill_reused, a.streamed_tokens)
                                   for n, a in res.agents.items()}, "near-tie:", sorted(differs))
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
     return baseline
 
 
@@ -220,7 +212,7 @@ def _remote_generate_equals_text(cluster, ref_engine, src_model, dst_model, back
 def test_kv_builtin_to_vllm_equals_recompute(mixed, ref_engine):
     cluster, vllm, builtin = mixed
     _remote_generate_equals_text(cluster, ref_engine, builtin, vllm)
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
 
 
 def test_kv_vllm_to_builtin_and_back_equals_recompute(mixed, ref_engine):
@@ -228,7 +220,7 @@ def test_kv_vllm_to_builtin_and_back_equals_recompute(mixed, ref_engine):
     _remote_generate_equals_text(cluster, ref_engine, vllm, builtin)
     _remote_generate_equals_text(cluster, ref_engine, vllm, builtin, back=True)
     _remote_generate_equals_text(cluster, ref_engine, builtin, vllm, back=True)
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
 
 
 def test_unsupported_operations_raise_typed_errors(mixed):
@@ -241,4 +233,4 @@ def test_unsupported_operations_raise_typed_errors(mixed):
             af.transfer(kv, _replica(cluster, builtin), transport="local")
     finally:
         af.free(kv)
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)

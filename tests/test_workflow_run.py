@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
+from tests.cluster_checks import assert_no_kv_left
 
 STRATEGIES = ["text", "recompute", "transfer", "stream", "auto"]
 DOC = "Shared context: KV caches keep keys and values. " * 8
@@ -64,16 +65,7 @@ def test_every_strategy_gives_the_text_baselines_tokens(tiny_cluster, build):
         res = af.run(wf, cluster, strategy=strategy)
         for name, agent in res.agents.items():
             assert agent.token_ids == baseline[name].token_ids, f"{wf.name}/{strategy}/{name} differs from text"
-    _assert_no_kv_left(cluster)
-
-
-def _assert_no_kv_left(cluster):
-    import ray
-
-    for r in cluster.replicas():
-        stats = ray.get(r.actor.stats.remote())
-        assert ray.get(r.actor.session_count.remote()) == 0, f"{r.name} still has sessions"
-        assert stats["refs"] == 0 and stats["used_blocks"] == 0, f"{r.name} holds KV after the run: {stats}"
+    assert_no_kv_left(cluster)
 
 
 @pytest.mark.parametrize("chunk", [1, 10_000])
@@ -156,7 +148,7 @@ def test_kv_operator_nodes_share_place_and_evict(tiny_cluster):
     assert res["b"].replica == target and res["a"].strategy == "transfer+stream"
     assert res["a"].prefill_reused >= len(DOC.encode()) and res["b"].prefill_reused >= len(DOC.encode())
     assert any("evicted a shared prefix" in e for e in res.events)
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
 
 
 def test_transfer_node_to_an_unknown_replica_is_refused(tiny_cluster):
@@ -188,4 +180,4 @@ def test_unordered_inputs_follow_completion_and_match_recomputing_that_prompt(ti
         assert order == ["u1", "u0"]
     ordered = af.run(build(order, False), cluster, strategy="text")
     assert res["join"].token_ids == ordered["join"].token_ids
-    _assert_no_kv_left(cluster)
+    assert_no_kv_left(cluster)
