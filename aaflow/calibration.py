@@ -191,16 +191,23 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     return profile
 
 
-def ensure_profile(cluster, progress: Callable[[str], None] | None = print) -> HardwareProfile:
+def covers(profile: HardwareProfile | None, infos: dict[str, dict]) -> bool:
+    """Whether `profile` has a compute entry for every replica described in `infos` and a link."""
+    return profile is not None and {model_key(i) for i in infos.values()} <= set(profile.compute) \
+        and bool(profile.links)
+
+
+def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
+                   infos: dict[str, dict] | None = None) -> HardwareProfile:
     """This machine's profile with an entry for every model of `cluster`: loaded, or calibrated
-    now (quick) for the models it lacks and saved to the cache for the next run."""
+    now (quick) for the models it lacks and saved to the cache for the next run. `infos` are the
+    replicas' `info()` per model, when the caller has them already."""
     import ray
 
+    infos = infos or {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
     profile = find_profile()
-    keys = {model_key(ray.get(cluster.replicas(m)[0].actor.info.remote())) for m in cluster.models}
-    if profile is not None and keys <= set(profile.compute) and profile.links:
+    if covers(profile, infos):
         return profile
     _say(progress, "no calibrated profile of this machine for these replicas yet: calibrating (quick) ...")
     return calibrate(cluster, quick=True, progress=progress, base=profile,
                      out=cached_profile_path(default_profile_name()))
-

@@ -67,21 +67,21 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
                      progress: Callable[[str], None] | None) -> HardwareProfile:
     """A profile object: given, loaded by name or path, or this machine's (calibrated on first use,
     which needs a live cluster)."""
-    from aaflow.calibration import ensure_profile, find_profile, model_key
+    from aaflow.calibration import covers, ensure_profile, find_profile
 
     if isinstance(hardware, HardwareProfile):
         return hardware
     if hardware is not None:
         return load_hardware(hardware)
+    if not isinstance(cluster, dict):
+        return ensure_profile(cluster, progress=progress, infos=infos)
     found = find_profile()
-    if found is not None and {model_key(i) for i in infos.values()} <= set(found.compute) and found.links:
-        return found
-    if isinstance(cluster, dict):
+    if not covers(found, infos):
         from aaflow.errors import CostModelError
 
         raise CostModelError("this machine has no calibrated profile for these models; run `aaflow calibrate` "
                              "(or pass a live cluster, which calibrates on first use, or --hardware NAME)")
-    return ensure_profile(cluster, progress=progress)
+    return found
 
 
 def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
@@ -114,16 +114,24 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
     Returns a `costmodel.plan.Plan`; `print(plan.explain())` shows why each choice was made.
     """
     from aaflow.runtime import _builders, _check_sizes
-    from costmodel.planner import plan_workflow
 
-    replicas = replica_names(cluster)
-    workflow.validate(served_models={m for _, m in replicas})
+    workflow.validate(served_models={m for _, m in replica_names(cluster)})
     builders, _, limits = _builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits)
+    return plan_checked(workflow, cluster, builders, hardware, link, chunk_tokens, transport, progress)
+
+
+def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProfile | None = None,
+                 link: str | None = None, chunk_tokens: int = 16, transport: str | None = None,
+                 progress: Callable[[str], None] | None = print):
+    """`plan` for a workflow already validated against `cluster`, with its prompt builders
+    (`af.run` has both when it plans for `strategy="auto"`)."""
+    from costmodel.planner import plan_workflow
+
     infos = replica_infos(cluster)
     profile = resolve_hardware(cluster, infos, hardware, progress)
     link = link or transport or ("ray" if "ray" in profile.links else next(iter(profile.links), "ray"))
     profile = with_emulated_link(profile, link)
     spec = workflow_spec(workflow, builders)
-    cspec = ClusterSpec(replicas, link=link, chunk_tokens=chunk_tokens)
+    cspec = ClusterSpec(replica_names(cluster), link=link, chunk_tokens=chunk_tokens)
     return plan_workflow(spec, cspec, profile, model_profiles(infos), call_overhead_s=profile.call_overhead_s or 0.002)

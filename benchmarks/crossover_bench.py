@@ -143,26 +143,22 @@ def run(args) -> dict:
     report = {"benchmark": "crossover", "machine": machine_facts(), "settings": {"tokens": tokens, "mbps": args.mbps,
               "repeats": repeats}, "profile": profile.to_dict(), "contexts": results}
     write_json(args.out, report)
-    _plot(report, args.out.replace(".json", ".png"))
+    _plot(report, args.out)
     return report
 
 
-def _plot(report: dict, path: str) -> None:
-    import matplotlib
+def _plot(report: dict, json_path: str) -> None:
+    from benchmarks.plots import write_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    panels = []
     for ctx in report["contexts"]:
-        bw = [r["bandwidth_bytes_per_s"] * 8 / 1e6 for r in ctx["rows"]]
-        line = ax.plot(bw, [r["transfer_ttft_s"] for r in ctx["rows"]], "o-", label=f"transfer, C={ctx['tokens']}")
-        color = line[0].get_color()
-        ax.plot(bw, [r["predicted_transfer_ttft_s"] for r in ctx["rows"]], "--", color=color, label="predicted")
-        ax.axhline(ctx["rows"][0]["recompute_ttft_s"], color=color, linestyle=":", label=f"recompute, C={ctx['tokens']}")
-    ax.set(xscale="log", yscale="log", xlabel="emulated link (Mbps)", ylabel="TTFT on the destination (s)",
-           title="KV transfer vs recompute (SmolLM2, this machine)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    log(f"wrote {path}")
+        mbps = [r["bandwidth_bytes_per_s"] * 8 / 1e6 for r in ctx["rows"]]
+        panels.append({
+            "title": f"C = {ctx['tokens']} tokens", "xlabel": "emulated link (Mbps)", "ylabel": "TTFT (s)",
+            "logx": True, "logy": True,
+            "series": {"transfer, measured": dict(zip(mbps, (r["transfer_ttft_s"] for r in ctx["rows"]))),
+                       "transfer, predicted": dict(zip(mbps, (r["predicted_transfer_ttft_s"] for r in ctx["rows"])))},
+            "hlines": {"recompute, measured": ctx["rows"][0]["recompute_ttft_s"],
+                       "recompute, predicted": ctx["rows"][0]["predicted_recompute_ttft_s"]},
+        })
+    write_plot(json_path, panels, suptitle="KV transfer vs recompute (SmolLM2, this machine)")

@@ -73,8 +73,7 @@ def _measure(af, ray, cluster, wf, strategy, link, chunk, repeats, plan=None) ->
 
 
 def run_grid(af, ray, cluster, profile, args) -> list[dict]:
-    from aaflow.planning import plan as make_plan
-    from aaflow.planning import workflow_spec
+    from aaflow.planning import plan_checked, workflow_spec
     from aaflow.runtime import _builders
 
     builders, _, _ = _builders({"smollm2"})
@@ -88,8 +87,8 @@ def run_grid(af, ray, cluster, profile, args) -> list[dict]:
             spec = workflow_spec(wf, builders)
             free = {s: _measure(af, ray, cluster, wf, s, "ray", args.chunk_tokens, args.repeats) for s in LINK_FREE}
             for link in args.links:
-                plan = make_plan(wf, cluster, hardware=profile, transport=link, chunk_tokens=args.chunk_tokens,
-                                 progress=None)
+                plan = plan_checked(wf, cluster, builders, hardware=profile, transport=link,
+                                    chunk_tokens=args.chunk_tokens, progress=None)
                 measured = dict(free)
                 for s in LINKED:
                     measured[s] = _measure(af, ray, cluster, wf, s, link, args.chunk_tokens, args.repeats,

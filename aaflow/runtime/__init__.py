@@ -64,10 +64,10 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     _check_sizes(workflow, builders, limits)
     events = []
     if strategy == "auto" and plan is None:
-        from aaflow.planning import plan as make_plan
+        from aaflow.planning import plan_checked
 
         try:
-            plan = make_plan(workflow, cluster, chunk_tokens=chunk_tokens, transport=transport)
+            plan = plan_checked(workflow, cluster, builders, chunk_tokens=chunk_tokens, transport=transport)
         except AAFlowError as exc:
             events.append(f"planner unavailable ({exc}); auto follows its documented rule")
     decisions = plan.decisions if strategy == "auto" and plan is not None else None
