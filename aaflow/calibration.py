@@ -37,8 +37,9 @@ def cached_profile_path(name: str) -> Path:
 
 
 def model_key(info: dict) -> str:
-    """The compute-entry key of a replica: model, dtype and threads change its speed."""
-    return f"{Path(info['model']).name}|{info['dtype']}|{info['threads']}t"
+    """The compute-entry key of a replica: model, dtype and threads (or the vLLM engine) change its speed."""
+    speed = "vllm" if info.get("engine") == "vllm" else f"{info['threads']}t"
+    return f"{Path(info['model']).name}|{info['dtype']}|{speed}"
 
 
 def find_profile(name: str | None = None) -> HardwareProfile | None:
@@ -129,15 +130,16 @@ def _concurrency_slowdown(replicas, progress) -> float:
 
     if len(replicas) < 2:
         return 1.0
-    for tokens in (2048, 512):
+    pair = replicas[:2]
+    for tokens in (2048, 512):  # the longest prefill both pools can hold
         point = ((tokens, 0),)
-        alone = ray.get(replicas[0].actor.calibrate_prefill.remote(point, 2))
-        if alone:
+        alone = [ray.get(r.actor.calibrate_prefill.remote(point, 2)) for r in pair]  # one at a time
+        if all(alone):
             break
     else:
         return 1.0
-    together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in replicas[:2]])
-    slowdown = max(1.0, statistics.mean(t[0][2] for t in together) / alone[0][2])
+    together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in pair])
+    slowdown = max(1.0, statistics.mean(t[0][2] / a[0][2] for t, a in zip(together, alone)))
     _say(progress, f"  two replicas prefilling {tokens} tokens at once: {slowdown:.2f}x slower each")
     return slowdown
 

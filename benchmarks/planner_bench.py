@@ -8,7 +8,9 @@ planner's choice) from cold prefix caches and its wall time compared with the si
 prediction, made from a profile calibrated in the same run. Reported: median and worst
 |predicted - measured| / measured, and how often the planner's measured time is within 10% of the
 measured best and not worse than text. The transfer-vs-recompute crossover is its own benchmark
-(`aaflow bench crossover`). Different-model cells are not in the grid (see RESULTS.md).
+(`aaflow bench crossover`). With `--downstream-model`, B runs another model on its own replica
+(only tokens cross the edge, so one link is enough; `llama-360m-random` is a larger model with
+random weights, timing only).
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ def context_text(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def edge_workflow(context: str, upstream_tokens: int):
+def edge_workflow(context: str, upstream_tokens: int, downstream_model: str = "smollm2"):
     import aaflow as af
 
     wf = af.Workflow("edge")
     ctx = wf.context("ctx", context)
     a = wf.agent("A", "smollm2", [ctx, "Summarize the key point of this text."], max_tokens=upstream_tokens,
                  ignore_eos=True)
-    wf.agent("B", "smollm2", [ctx, "A colleague wrote:", a, "Answer in one sentence: is it right?"], max_tokens=8,
+    wf.agent("B", downstream_model, [ctx, "A colleague wrote:", a, "Answer in one sentence: is it right?"], max_tokens=8,
              ignore_eos=True)
     return wf
 
@@ -76,14 +78,14 @@ def run_grid(af, ray, cluster, profile, args) -> list[dict]:
     from aaflow.planning import plan_checked, workflow_spec
     from aaflow.runtime import _builders
 
-    builders, _, _ = _builders({"smollm2"})
+    builders, _, _ = _builders({"smollm2", args.downstream_model})
     tokenizer = builders["smollm2"].tokenizer
     predict = Predictor(cluster, profile, args.chunk_tokens)
     cells = []
     for tokens in args.contexts:
         context = context_text(tokenizer, tokens)
         for out in args.outputs:
-            wf = edge_workflow(context, out)
+            wf = edge_workflow(context, out, args.downstream_model)
             spec = workflow_spec(wf, builders)
             free = {s: _measure(af, ray, cluster, wf, s, "ray", args.chunk_tokens, args.repeats) for s in LINK_FREE}
             for link in args.links:
@@ -96,13 +98,14 @@ def run_grid(af, ray, cluster, profile, args) -> list[dict]:
                 predicted = {s: predict(spec, s, link) for s in LINK_FREE + LINKED[:2]}
                 predicted["auto"] = plan.predicted.makespan_s
                 best = min(v for s, v in measured.items() if s != "auto")
-                cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link, "measured_s": measured,
+                cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link,
+                        "downstream_model": args.downstream_model, "measured_s": measured,
                         "predicted_s": predicted, "plan": plan.decisions,
                         "errors": {s: abs(predicted[s] - measured[s]) / measured[s] for s in measured},
                         "auto_within_10pct_of_best": measured["auto"] <= 1.10 * best,
                         "auto_not_worse_than_text": measured["auto"] <= measured["text"]}
                 cells.append(cell)
-                log(f"C={tokens} O={out} {link}: " + ", ".join(
+                log(f"C={tokens} O={out} {link} B={args.downstream_model}: " + ", ".join(
                     f"{s} {measured[s]:.2f}/{predicted[s]:.2f}" for s in measured) + f" | plan {plan.decisions}")
     return cells
 
@@ -128,10 +131,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--links", nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--downstream-model", default="smollm2",
+                   help="B's model; another one (e.g. llama-360m-random) gets its own replica: a different-model edge")
+    p.add_argument("--combine", nargs="+", metavar="JSON", default=None,
+                   help="measure nothing: summarize the grids of earlier runs together (written to --out)")
     p.add_argument("--out", default="results/planner.json")
 
 
+def combine(paths: list[str], out: str) -> dict:
+    """One summary over the cells of several `aaflow bench planner` runs (each keeps its own profile)."""
+    import json
+
+    runs = [json.loads(open(path).read()) for path in paths]
+    cells = [cell for r in runs for cell in r["grid"]]
+    report = {"benchmark": "planner", "combined_from": paths, "summary": summarize(cells), "grid": cells}
+    log(f"planner summary over {len(paths)} runs: {report['summary']}")
+    write_json(out, report)
+    _plot(report, out.replace(".json", ".png"))
+    return report
+
+
 def run(args) -> dict:
+    if args.combine:
+        return combine(args.combine, args.out)
     import ray
 
     import aaflow as af
@@ -142,11 +164,20 @@ def run(args) -> dict:
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.links = args.links or (["ray", "ray@200Mbps"] if args.quick else
                                 ["ray", "nixl", "ray@100Mbps", "ray@1Gbps", "nixl@10Gbps", "nixl@25Gbps"])
-    cluster = af.init(replicas={"smollm2": 2}, kv_cache_bytes=6 * max(args.contexts) * 23040 * 2)
+    same_model = args.downstream_model == "smollm2"
+    if not same_model:
+        args.links = args.links[:1]  # no KV crosses a different-model edge: the link plays no part
+    replicas = {"smollm2": 2} if same_model else {"smollm2": 1, args.downstream_model: 1}
+    pool_tokens = max(6 * max(args.contexts), 8192)  # room for the grid and for calibration's points
+    cluster = af.init(replicas=replicas, kv_cache_bytes=pool_tokens * 46080)  # up to 45 KiB of KV per token
     try:
         log("calibrating this machine in the same run (the cost model's input) ...")
         transports = tuple(dict.fromkeys(link.split("@")[0] for link in args.links))
         profile = calibrate(cluster, quick=True, transports=transports, progress=log)
+        if not same_model:  # one replica per model: no link to measure, and none is used
+            from costmodel.hardware import LinkProfile
+
+            profile = profile.with_link(args.links[0], LinkProfile(float("inf"), 0.0))
         cells = run_grid(af, ray, cluster, profile, args)
     finally:
         cluster.shutdown()

@@ -5,6 +5,8 @@
   latency = B's first token - A's first token; also B's handoff gap (B's first token - A's last).
 * map-reduce: three reviewers and a meta-reviewer over the shipped paper (repeated to ~2,000
   tokens), end-to-end latency.
+* `--downstream-model M`: the heterogeneous pair (FlashAgents' stream-across-models case): A on
+  SmolLM2, B on model M, one replica each; only tokens cross the edge. Map-reduce is skipped.
 Every measurement starts with cold prefix caches; strategies alternate inside each repeat.
 """
 
@@ -17,7 +19,7 @@ from benchmarks.common import log, machine_facts, write_json
 from configs import CONFIG_DIR
 
 
-def _pair_workflow(concurrency: int, system_prompt: str, a_tokens: int):
+def _pair_workflow(concurrency: int, system_prompt: str, a_tokens: int, b_model: str = "smollm2"):
     import aaflow as af
 
     wf = af.Workflow(f"a-b-x{concurrency}")
@@ -25,7 +27,7 @@ def _pair_workflow(concurrency: int, system_prompt: str, a_tokens: int):
     for i in range(concurrency):
         a = wf.agent(f"A{i}", "smollm2", [f"Write a short paragraph about topic number {i}: the ocean."],
                      max_tokens=a_tokens, ignore_eos=True)
-        wf.agent(f"B{i}", "smollm2", [guide, "Draft to improve:", a, "Rewrite it in one sentence."], max_tokens=16,
+        wf.agent(f"B{i}", b_model, [guide, "Draft to improve:", a, "Rewrite it in one sentence."], max_tokens=16,
                  ignore_eos=True)
     return wf
 
@@ -58,12 +60,14 @@ def run(args) -> dict:
     import aaflow as af
 
     system_prompt = "\n\n".join([(CONFIG_DIR / "workflows" / "paper.txt").read_text()] * args.system_repeats)
-    cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype)
+    hetero = args.downstream_model != "smollm2"
+    replicas = {"smollm2": 1, args.downstream_model: 1} if hetero else {"smollm2": 2}
+    cluster = af.init(replicas=replicas, dtype=args.dtype)
     report = {"benchmark": "workflow", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "pairs": {}}
     try:
         for c in args.concurrency:
-            wf = _pair_workflow(c, system_prompt, args.a_tokens)
+            wf = _pair_workflow(c, system_prompt, args.a_tokens, args.downstream_model)
             samples = {s: [] for s in args.strategies}
             for s in args.strategies:  # warm-up, not recorded
                 _cold_run(cluster, wf, s, args.chunk_tokens)
@@ -80,19 +84,24 @@ def run(args) -> dict:
             report["pairs"][str(c)] = row
             log(f"A->B x{c}: " + ", ".join(f"{s} {row[s]['response_latency_s']:.2f} s" for s in args.strategies)
                 + " | " + ", ".join(f"{s} {row[s]['speedup_vs_text']:.2f}x" for s in args.strategies[1:]))
-        wf = _review_workflow(args.doc_tokens)
-        samples = {s: [] for s in ("text", "auto")}
-        for _ in range(args.repeats):
-            for s in samples:
-                samples[s].append(_cold_run(cluster, wf, s, args.chunk_tokens).wall_s)
-        mr = {s: statistics.median(v) for s, v in samples.items()}
-        mr["latency_reduction"] = 1 - mr["auto"] / mr["text"]
-        report["map_reduce"] = mr
-        log(f"map-reduce: text {mr['text']:.2f} s, auto {mr['auto']:.2f} s, {mr['latency_reduction']:.0%} lower")
+        if not hetero:
+            report["map_reduce"] = _map_reduce(cluster, args)
     finally:
         cluster.shutdown()
     write_json(args.out, report)
     return report
+
+
+def _map_reduce(cluster, args) -> dict:
+    wf = _review_workflow(args.doc_tokens)
+    samples = {s: [] for s in ("text", "auto")}
+    for _ in range(args.repeats):
+        for s in samples:
+            samples[s].append(_cold_run(cluster, wf, s, args.chunk_tokens).wall_s)
+    mr = {s: statistics.median(v) for s, v in samples.items()}
+    mr["latency_reduction"] = 1 - mr["auto"] / mr["text"]
+    log(f"map-reduce: text {mr['text']:.2f} s, auto {mr['auto']:.2f} s, {mr['latency_reduction']:.0%} lower")
+    return mr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-repeats", type=int, default=3, help="copies of the paper in B's system prompt")
     p.add_argument("--doc-tokens", type=int, default=2000)
     p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--downstream-model", default="smollm2",
+                   help="B's model (e.g. llama-360m-random, random weights: timing only); another model "
+                        "runs the heterogeneous pair on one replica per model and skips map-reduce")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/workflow.json")
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, one repeat")

@@ -40,7 +40,7 @@ class Calibration:
                 continue
             times = [self._time_prefill(new, context, seed=100 * i + r) for r in range(repeats)]
             samples.append((new, context, statistics.median(times)))
-        self.engine.clear_prefix_cache()
+        self.clear_prefix_cache()
         return samples
 
     def _time_prefill(self, new: int, context: int, seed: int) -> float:
@@ -75,7 +75,7 @@ class Calibration:
             finally:
                 for seq in seqs:
                     self.engine.free(seq)
-        self.engine.clear_prefix_cache()
+        self.clear_prefix_cache()
         return samples
 
     def calibrate_receive(self, handle, shape, record, transport: str) -> tuple[int, float]:

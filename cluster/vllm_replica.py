@@ -3,7 +3,9 @@
 KV refs are aaflow KV payloads (`KVExport`, [layers, 2, n, kv_heads, head_dim]) held in this
 process: `materialize` prefills on vLLM and reads the KV back through the aaflow connector;
 `receive` keeps the incoming payload. A payload enters vLLM's cache through the connector when a
-session that continues it (`session_open(sid, fork_of=ref)`) sends its first request.
+session that continues it (`session_open(sid, fork_of=ref)`) sends its first request. Compose
+(exact, rerotate) and evict work on the payloads (`cluster.payload_refs`); calibration runs
+through sessions' requests (`cluster.vllm_calibration`).
 
 Sessions map to vLLM requests. An incremental prefill is a prefill-only request (max_tokens=1,
 token discarded) over the prompt so far, which leaves its full blocks in vLLM's automatic prefix
@@ -28,8 +30,10 @@ import torch
 from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engines_vllm.errors import VLLMUnsupportedError
-from aaflow.errors import KVImportError, KVRefFreedError, KVTransferError, ModelMismatchError
+from aaflow.errors import KVComposeError, KVImportError, KVTransferError, ModelMismatchError
 from cluster.faults import FaultInjection
+from cluster.payload_refs import PayloadRefs
+from cluster.vllm_calibration import VLLMCalibration
 from cluster.replica import KVShape, RefRecord
 
 VLLM_OPTIONS = ("prefix_caching", "max_model_len", "kv_cache_gib", "block_size", "enforce_eager", "python",
@@ -45,7 +49,7 @@ class _Session:
     decoding: bool = False
 
 
-class VLLMReplica(FaultInjection):
+class VLLMReplica(VLLMCalibration, FaultInjection):
     """A vLLM engine (child process) and its KV refs, addressed by ref id. One caller at a time."""
 
     def __init__(self, name: str, model: str, dtype: str = "bfloat16", threads: int | None = None,
@@ -64,7 +68,7 @@ class VLLMReplica(FaultInjection):
             raise TypeError(f"vLLM replicas take {VLLM_OPTIONS}, not {unknown}")
         self.name, self.model = name, model
         self.engine = VLLMEngine.from_pretrained(model, dtype=dtype, **vllm_kwargs)
-        self._refs: dict[str, KVExport] = {}
+        self._refs = PayloadRefs(name, self.engine.fingerprint, self.engine.export_kv)
         self._sessions: dict[str, _Session] = {}
         self._transports: dict[str, object] = {}
         self._ids = itertools.count()
@@ -98,21 +102,23 @@ class VLLMReplica(FaultInjection):
     def clear_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
-    def _record(self, payload: KVExport, ref_id: str | None = None) -> RefRecord:
-        ref_id = ref_id or f"{self.name}:v{next(self._ids)}"
-        self._refs[ref_id] = payload
+    def _record(self, payload: KVExport, fidelity=None, lineage: bool = True) -> RefRecord:
+        ref_id = f"{self.name}:v{next(self._ids)}"
+        self._refs.add(ref_id, payload, fidelity, lineage)
+        return self._record_of(ref_id)
+
+    def _record_of(self, ref_id: str) -> RefRecord:
+        payload = self._refs.get(ref_id)
         return RefRecord(ref_id, self.name, payload.fingerprint, tuple(payload.token_ids),
-                         payload.kv.numel() * payload.kv.element_size(), None)
+                         payload.kv.numel() * payload.kv.element_size(), self._refs.fidelity(ref_id))
 
     def _ref(self, ref_id: str) -> KVExport:
-        if ref_id not in self._refs:
-            raise KVRefFreedError(f"no KVRef {ref_id} on replica {self.name}: it was freed or never lived here")
-        return self._refs[ref_id]
+        return self._refs.get(ref_id)
 
     # --- operators --------------------------------------------------------------------------
     def materialize(self, text_or_ids: str | Sequence[int], lineage: bool = True) -> RefRecord:
         """Prefill on vLLM and keep the prompt's KV as a payload ref (exact; lineage is the token ids)."""
-        return self._record(self.engine.export_kv(text_or_ids))
+        return self._record(self.engine.export_kv(text_or_ids), lineage=lineage)
 
     def generate(self, ref_id: str, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, **sampling):
         """Continue a ref with a prompt (its KV is loaded through the connector) and generate."""
@@ -127,33 +133,47 @@ class VLLMReplica(FaultInjection):
     def fork(self, ref_id: str, n: int) -> list[RefRecord]:
         """n refs sharing the payload (payloads are immutable)."""
         payload = self._ref(ref_id)
-        return [self._record(payload) for _ in range(n)]
+        return [self._record(payload, self._refs.fidelity(ref_id)) for _ in range(n)]
 
     def compose(self, ref_ids: list[str], mode: str = "exact", r: float = 0.15) -> RefRecord:
-        raise VLLMUnsupportedError(f"compose is not supported on vLLM replica {self.name}: compose on a "
-                                   "built-in replica and transfer the result, or materialize the joined text")
+        """`exact` and `rerotate` compose of payloads here (the rules of `operators.compose`). `blend`
+        recomputes chosen tokens layer by layer inside the engine, which vLLM does not expose: refused."""
+        from operators.compose import join_parts
+        from operators.ref import FidelityReport
+
+        if mode == "blend":
+            raise VLLMUnsupportedError(f"compose mode 'blend' is not supported on vLLM replica {self.name}: use "
+                                       "'rerotate' here, or blend on a built-in replica and transfer the result")
+        if mode not in ("exact", "rerotate"):
+            raise KVComposeError(f"unknown compose mode {mode!r}: use 'exact', 'rerotate' or 'blend'")
+        parts = [(i, self._ref(i).token_ids, self._ref(i).kv) for i in ref_ids]
+        tokens, kv, moved = join_parts(parts, mode, self._shift_keys)
+        fidelity = FidelityReport(mode, total_tokens=len(tokens)) if moved else None
+        return self._record(KVExport(self.engine.fingerprint, tuple(tokens), kv), fidelity)
+
+    def _shift_keys(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
+        """kv [layers, 2, n, kv_heads, head_dim] with keys re-rotated by `delta` positions."""
+        from aaflow.engine.rope import RotaryTable
+
+        shifted = kv.clone()
+        shifted[:, 0] = RotaryTable(self.engine.config, kv.dtype).shift_keys(kv[:, 0], delta)
+        return shifted
 
     def pin(self, ref_id: str, ttl_s: float | None = None) -> None:
-        """Payload refs stay in memory until freed: pinning only checks the ref exists."""
-        self._ref(ref_id)
+        """Accepted for any live ref: this replica has no byte budget, so only `evict` drops payloads."""
+        self._refs.fidelity(ref_id)
 
-    def unpin(self, ref_id: str) -> None:
-        self._ref(ref_id)
+    unpin = pin
 
     def evict(self, ref_id: str, spill: bool | None = None) -> None:
-        raise VLLMUnsupportedError(f"evict is not supported on vLLM replica {self.name}: free the ref instead")
+        """Drop the payload (to disk if `spill`); the next use reloads it or recomputes it on vLLM."""
+        self._refs.evict(ref_id, bool(spill))
 
     def free(self, ref_id: str) -> None:
-        self._ref(ref_id)
-        del self._refs[ref_id]
+        self._refs.free(ref_id)
 
     def export_tensor(self, ref_id: str) -> torch.Tensor:
         return self._ref(ref_id).kv
-
-    def calibrate_prefill(self, *args, **kwargs):
-        raise VLLMUnsupportedError("cost-model calibration is not implemented for vLLM replicas")
-
-    calibrate_decode = calibrate_receive = calibrate_prefill
 
     # --- transfer -----------------------------------------------------------------------------
     def _transport(self, name: str):
@@ -171,7 +191,7 @@ class VLLMReplica(FaultInjection):
         payload = self._ref(ref_id)
         handle = self._transport(transport).expose(payload.kv.contiguous())
         shape = KVShape(payload.fingerprint, tuple(payload.kv.shape), str(payload.kv.dtype).removeprefix("torch."))
-        return handle, shape, self._record(payload, ref_id)
+        return handle, shape, self._record_of(ref_id)
 
     def release(self, handle, transport: str) -> None:
         self._transport(transport).release(handle)
@@ -199,7 +219,7 @@ class VLLMReplica(FaultInjection):
             raise
         except Exception as exc:  # noqa: BLE001 - any transport failure becomes one typed error
             raise KVTransferError(f"{transport} transfer to {self.name} failed: {exc}") from exc
-        return self._record(KVExport(shape.fingerprint, tuple(record.token_ids), kv)), stats
+        return self._record(KVExport(shape.fingerprint, tuple(record.token_ids), kv), record.fidelity), stats
 
     # --- sessions (driven by the executor) ----------------------------------------------------
     def session_open(self, sid: str, fork_of: str | None = None) -> int:

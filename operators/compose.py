@@ -10,7 +10,7 @@ Each part is placed after everything composed before it:
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -42,26 +42,9 @@ def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", 
                 f"cannot compose {kvs[0].id} on {kvs[0].replica} with {part.id} on {part.replica}: "
                 f"transfer one of them first (af.transfer(kv, host))"
             )
-    tokens: list[int] = []
-    pieces: list[torch.Tensor] = []  # [layers, 2, n_i, kv_heads, head_dim] each
-    moved: list[tuple[int, int]] = []  # (start, stop) of independent segments in the composed context
-    for part in kvs:
-        export = host.engine.export_kv(host.sequence(part))
-        if list(part.token_ids[: len(tokens)]) == tokens:  # continues the context so far
-            pieces.append(export.kv[:, :, len(tokens):])
-            tokens = list(part.token_ids)
-            continue
-        if mode == "exact":
-            raise KVComposeError(
-                f"exact compose needs each part computed with the parts before it as its prefix, but "
-                f"{part.id} ({len(part)} tokens) does not start with the {len(tokens)} tokens before it; "
-                "use mode='rerotate' or mode='blend' (approximate, with a fidelity report), or "
-                "materialize the concatenated text"
-            )
-        pieces.append(host.engine.shift_keys(export, len(tokens)))
-        moved.append((len(tokens), len(tokens) + len(part)))
-        tokens += list(part.token_ids)
-    payload = KVPayload(host.fingerprint, tuple(tokens), torch.cat(pieces, dim=2))
+    parts = [(part.id, part.token_ids, host.engine.export_kv(host.sequence(part)).kv) for part in kvs]
+    tokens, kv, moved = join_parts(parts, mode, host.engine.shift_keys)
+    payload = KVPayload(host.fingerprint, tuple(tokens), kv)
     seq = host.engine.import_kv(payload, cacheable=not moved)  # approximate KV never serves prefix hits
     fidelity = None
     if moved:
@@ -77,6 +60,36 @@ def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", 
     detail = (("mode", mode), ("r", str(r))) if mode == "blend" else (("mode", mode),)
     lineage = Lineage("compose", tuple(k.id for k in kvs), detail) if all(k.lineage for k in kvs) else None
     return host.register(seq, lineage, fidelity)
+
+
+def join_parts(parts: Sequence[tuple[str, Sequence[int], torch.Tensor]], mode: str,
+               shift_keys: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[list[int], torch.Tensor, list]:
+    """The tensor side of compose, for any engine.
+
+    parts: (ref id, token ids, KV [layers, 2, n_i, kv_heads, head_dim]) in order; shift_keys(kv,
+    delta) returns kv with its keys re-rotated by delta positions. Returns the composed token ids,
+    the composed KV [layers, 2, n, kv_heads, head_dim] and the (start, stop) of every independent
+    segment (empty when the result is exact). Raises `KVComposeError` for `exact` on independent parts.
+    """
+    tokens: list[int] = []
+    pieces: list[torch.Tensor] = []  # [layers, 2, n_i, kv_heads, head_dim] each
+    moved: list[tuple[int, int]] = []  # (start, stop) of independent segments in the composed context
+    for ref_id, ids, kv in parts:
+        if list(ids[: len(tokens)]) == tokens:  # continues the context so far
+            pieces.append(kv[:, :, len(tokens):])
+            tokens = list(ids)
+            continue
+        if mode == "exact":
+            raise KVComposeError(
+                f"exact compose needs each part computed with the parts before it as its prefix, but "
+                f"{ref_id} ({len(ids)} tokens) does not start with the {len(tokens)} tokens before it; "
+                "use mode='rerotate' or mode='blend' (approximate, with a fidelity report), or "
+                "materialize the concatenated text"
+            )
+        pieces.append(shift_keys(kv, len(tokens)))
+        moved.append((len(tokens), len(tokens) + len(ids)))
+        tokens += list(ids)
+    return tokens, torch.cat(pieces, dim=2), moved
 
 
 def next_token_agreement(host, seq: int, tokens: list[int], probe: list[int]) -> tuple[float, float]:

@@ -223,14 +223,88 @@ def test_kv_vllm_to_builtin_and_back_equals_recompute(mixed, ref_engine):
     assert_no_kv_left(cluster)
 
 
-def test_unsupported_operations_raise_typed_errors(mixed):
+def test_compose_on_vllm_equals_compose_on_builtin(mixed):
+    """Exact and rerotate compose of vLLM payloads; rerotate moves keys exactly as the built-in engine
+    does (same inputs, same rotation: bit-identical); blend is refused with a typed error."""
+    import ray
+    import torch
+
     cluster, vllm, builtin = mixed
-    kv = af.materialize(cluster, vllm, "Hello there, agents.")
+    v, b = _replica(cluster, vllm), _replica(cluster, builtin)
+    first, second = af.materialize(cluster, vllm, "Hello there, agents."), af.materialize(cluster, vllm, PAPER[:200])
+    longer = af.materialize(cluster, vllm, list(first.token_ids) + [1234, 567, 89])
+    made = [first, second, longer]
     try:
-        with pytest.raises(VLLMUnsupportedError, match="compose"):
-            af.compose(kv, kv)
+        exact = af.compose(first, longer)  # a continuation: exact
+        assert exact.token_ids == longer.token_ids and exact.fidelity is None
+        assert torch.allclose(ray.get(v.actor.export_tensor.remote(exact.id)).float(),
+                              ray.get(v.actor.export_tensor.remote(longer.id)).float(), atol=0.05)
+        with pytest.raises(af.KVComposeError, match="rerotate"):
+            af.compose(first, second, mode="exact")
+        with pytest.raises(VLLMUnsupportedError, match="blend"):
+            af.compose(first, second, mode="blend")
+        on_vllm = af.compose(first, second, mode="rerotate")
+        assert on_vllm.fidelity.mode == "rerotate" and on_vllm.token_ids == first.token_ids + second.token_ids
+        moved = [af.transfer(k, b, transport="ray") for k in (first, second)]
+        on_builtin = af.compose(*moved, mode="rerotate")
+        made += [exact, on_vllm, *moved, on_builtin]
+        assert ray.get(v.actor.export_tensor.remote(on_vllm.id)).equal(
+            ray.get(b.actor.export_tensor.remote(on_builtin.id)))
+    finally:
+        for kv in made:
+            af.free(kv)
+    assert_no_kv_left(cluster)
+
+
+def test_evict_on_vllm_rebuilds_or_reloads(mixed):
+    import ray
+
+    cluster, vllm, _ = mixed
+    v = _replica(cluster, vllm)
+    kv = af.materialize(cluster, vllm, PAPER[:300])
+    orphan = af.materialize(cluster, vllm, "No lineage here.", lineage=False)
+    try:
+        before = ray.get(v.actor.export_tensor.remote(kv.id))
+        af.evict(kv, spill=True)  # to disk and back: bit-identical
+        assert ray.get(v.actor.export_tensor.remote(kv.id)).equal(before)
+        af.evict(kv)  # dropped: recomputed from the token ids on vLLM
+        rebuilt = ray.get(v.actor.export_tensor.remote(kv.id))
+        assert rebuilt.shape == before.shape and (rebuilt.float() - before.float()).abs().max() < 0.05
+        af.pin(kv)
+        af.evict(orphan)
+        with pytest.raises(af.KVEvictedError, match="lineage disabled"):
+            af.generate(orphan, " and more", max_new_tokens=1)
         with pytest.raises(VLLMUnsupportedError, match="'ray' transport only"):
-            af.transfer(kv, _replica(cluster, builtin), transport="local")
+            af.transfer(kv, _replica(cluster, mixed[2]), transport="local")
     finally:
         af.free(kv)
+        af.free(orphan)
+    with pytest.raises(af.KVRefFreedError):
+        af.generate(kv, "again", max_new_tokens=1)
+    assert_no_kv_left(cluster)
+
+
+def test_vllm_replica_calibrates_and_auto_follows_the_plan(mixed, ref_engine):
+    """The vLLM replica calibrates like a built-in one (its own profile entry), so the planner plans
+    its agents and `auto` runs the plan, with text's tokens."""
+    from aaflow.calibration import calibrate
+    from costmodel.hardware import LinkProfile
+
+    cluster, vllm, _ = mixed
+    profile = calibrate(cluster, quick=True, transports=(), progress=None)
+    entry = profile.compute["smollm2|bfloat16|vllm"]
+    assert 0 < entry.prefill_time(32) < entry.prefill_time(512) and entry.decode_step_time(4, 1024) > 0
+    assert "smollm2|bfloat16|1t" in profile.compute  # the built-in replica beside it
+    profile = profile.with_link("ray", LinkProfile(1e9, 1e-3))  # one replica per engine: no link was measured
+    wf = chain(vllm, vllm)
+    plan = af.plan(wf, cluster, hardware=profile, transport="ray", progress=None)
+    assert set(plan.decisions) == {"A", "B"}
+    baseline = af.run(wf, cluster, strategy="text", transport="ray")
+    res = af.run(wf, cluster, strategy="auto", plan=plan, transport="ray")
+    assert not any("planner unavailable" in e for e in res.events)
+    assert {n: a.strategy for n, a in res.agents.items()} == plan.decisions
+    for name in ("A", "B"):
+        ids = _prompt_ids(wf, name, {n: a.token_ids for n, a in baseline.agents.items()})
+        if not _same_or_near_tie(ref_engine, ids, baseline[name].token_ids, res[name].token_ids, f"auto {name}"):
+            break  # B's input differs past a near-tie: nothing more to compare
     assert_no_kv_left(cluster)

@@ -131,12 +131,12 @@ class Engine(PromptText):
         """A new sequence holding imported KV (checked first); `cacheable=False` for approximate KV."""
         return self.runner.import_kv(export, cacheable)
 
-    def shift_keys(self, export: KVExport, delta: int) -> torch.Tensor:
-        """The export's KV with keys re-rotated by `delta` positions (values unchanged):
-        [layers, 2, n, kv_heads, head_dim]."""
-        kv = export.kv.clone()
-        kv[:, 0] = self.runner.model.rotary.shift_keys(export.kv[:, 0], delta)
-        return kv
+    def shift_keys(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
+        """kv [layers, 2, n, kv_heads, head_dim] with keys re-rotated by `delta` positions (values
+        unchanged): a new tensor of the same shape."""
+        shifted = kv.clone()
+        shifted[:, 0] = self.runner.model.rotary.shift_keys(kv[:, 0], delta)
+        return shifted
 
     def blend(self, seq_id: int, candidate_positions: list[int], fraction: float):
         """Recompute the most-deviating `fraction` of candidate positions in place (a `BlendResult`)."""
