@@ -74,15 +74,20 @@ def _measure(af, ray, cluster, wf, strategy, link, chunk, repeats, plan=None) ->
     return statistics.median(samples)
 
 
-def run_grid(af, ray, cluster, profile, args) -> list[dict]:
+def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
+    """Every cell of the grid; the profile is calibrated first, and again before each context length
+    with `--recalibrate` (this shared machine's speed drifts). Returns (cells, profiles)."""
     from aaflow.planning import plan_checked, workflow_spec
     from aaflow.runtime import _builders
 
     builders, _, _ = _builders({"smollm2", args.downstream_model})
     tokenizer = builders["smollm2"].tokenizer
-    predict = Predictor(cluster, profile, args.chunk_tokens)
-    cells = []
+    cells, profiles = [], []
     for tokens in args.contexts:
+        if not profiles or args.recalibrate:
+            profiles.append(calibrate_now())
+        profile = profiles[-1]
+        predict = Predictor(cluster, profile, args.chunk_tokens)
         context = context_text(tokenizer, tokens)
         for out in args.outputs:
             wf = edge_workflow(context, out, args.downstream_model)
@@ -98,7 +103,7 @@ def run_grid(af, ray, cluster, profile, args) -> list[dict]:
                 predicted = {s: predict(spec, s, link) for s in LINK_FREE + LINKED[:2]}
                 predicted["auto"] = plan.predicted.makespan_s
                 best = min(v for s, v in measured.items() if s != "auto")
-                cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link,
+                cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link, "profile": len(profiles) - 1,
                         "downstream_model": args.downstream_model, "measured_s": measured,
                         "predicted_s": predicted, "plan": plan.decisions,
                         "errors": {s: abs(predicted[s] - measured[s]) / measured[s] for s in measured},
@@ -107,7 +112,7 @@ def run_grid(af, ray, cluster, profile, args) -> list[dict]:
                 cells.append(cell)
                 log(f"C={tokens} O={out} {link} B={args.downstream_model}: " + ", ".join(
                     f"{s} {measured[s]:.2f}/{predicted[s]:.2f}" for s in measured) + f" | plan {plan.decisions}")
-    return cells
+    return cells, profiles
 
 
 def summarize(cells: list[dict]) -> dict:
@@ -131,6 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--links", nargs="+", default=None)
     p.add_argument("--repeats", type=int, default=None, help="default 2 (quick: 1)")
     p.add_argument("--chunk-tokens", type=int, default=16)
+    p.add_argument("--recalibrate", action="store_true",
+                   help="calibrate again before each context length (a shared machine's speed drifts)")
     p.add_argument("--downstream-model", default="smollm2",
                    help="B's model; another one (e.g. llama-360m-random) gets its own replica: a different-model edge")
     p.add_argument("--combine", nargs="+", metavar="JSON", default=None,
@@ -170,18 +177,22 @@ def run(args) -> dict:
     replicas = {"smollm2": 2} if same_model else {"smollm2": 1, args.downstream_model: 1}
     pool_tokens = max(6 * max(args.contexts), 8192)  # room for the grid and for calibration's points
     cluster = af.init(replicas=replicas, kv_cache_bytes=pool_tokens * 46080)  # up to 45 KiB of KV per token
-    try:
+    transports = tuple(dict.fromkeys(link.split("@")[0] for link in args.links))
+
+    def calibrate_now():
         log("calibrating this machine in the same run (the cost model's input) ...")
-        transports = tuple(dict.fromkeys(link.split("@")[0] for link in args.links))
         profile = calibrate(cluster, quick=True, transports=transports, progress=log)
         if not same_model:  # one replica per model: no link to measure, and none is used
             from costmodel.hardware import LinkProfile
 
             profile = profile.with_link(args.links[0], LinkProfile(float("inf"), 0.0))
-        cells = run_grid(af, ray, cluster, profile, args)
+        return profile
+
+    try:
+        cells, profiles = run_grid(af, ray, cluster, calibrate_now, args)
     finally:
         cluster.shutdown()
-    report = {"benchmark": "planner", "machine": machine_facts(), "profile": profile.to_dict(),
+    report = {"benchmark": "planner", "machine": machine_facts(), "profiles": [p.to_dict() for p in profiles],
               "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
               "summary": summarize(cells), "grid": cells}
     log(f"planner summary: {report['summary']}")
