@@ -76,7 +76,8 @@ def _measure(af, ray, cluster, wf, strategy, link, chunk, repeats, plan=None) ->
 
 def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     """Every cell of the grid; the profile is calibrated first, and again before each context length
-    with `--recalibrate` (this shared machine's speed drifts). Returns (cells, profiles)."""
+    with `--recalibrate`; with `--track-drift` each cell's predictions use it scaled by the speed
+    measured just before the cell (this shared machine's speed drifts). Returns (cells, profiles)."""
     from aaflow.planning import plan_checked, workflow_spec
     from aaflow.runtime import _builders
 
@@ -86,12 +87,13 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     for tokens in args.contexts:
         if not profiles or args.recalibrate:
             profiles.append(calibrate_now())
-        profile = profiles[-1]
-        predict = Predictor(cluster, profile, args.chunk_tokens)
         context = context_text(tokenizer, tokens)
         for out in args.outputs:
             wf = edge_workflow(context, out, args.downstream_model)
             spec = workflow_spec(wf, builders)
+            drift = _drift(ray, cluster, profiles[-1]) if args.track_drift else {}
+            profile = profiles[-1].with_compute_scaled(drift)
+            predict = Predictor(cluster, profile, args.chunk_tokens)
             free = {s: _measure(af, ray, cluster, wf, s, "ray", args.chunk_tokens, args.repeats) for s in LINK_FREE}
             for link in args.links:
                 plan = plan_checked(wf, cluster, builders, hardware=profile, transport=link,
@@ -104,6 +106,7 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
                 predicted["auto"] = plan.predicted.makespan_s
                 best = min(v for s, v in measured.items() if s != "auto")
                 cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link, "profile": len(profiles) - 1,
+                        "drift": drift,
                         "downstream_model": args.downstream_model, "measured_s": measured,
                         "predicted_s": predicted, "plan": plan.decisions,
                         "errors": {s: abs(predicted[s] - measured[s]) / measured[s] for s in measured},
@@ -113,6 +116,21 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
                 log(f"C={tokens} O={out} {link} B={args.downstream_model}: " + ", ".join(
                     f"{s} {measured[s]:.2f}/{predicted[s]:.2f}" for s in measured) + f" | plan {plan.decisions}")
     return cells, profiles
+
+
+def _drift(ray, cluster, profile) -> dict[str, float]:
+    """Per compute entry: how much slower (> 1) or faster each model's replica runs now than when
+    `profile` was calibrated, from a 512-token prefill timed inside the replica (median of 2, about 1 s)."""
+    from aaflow.calibration import model_key
+
+    factors = {}
+    for model in sorted(cluster.models):
+        actor = cluster.replicas(model)[0].actor
+        key = model_key(ray.get(actor.info.remote()))
+        now = ray.get(actor.calibrate_prefill.remote(((512, 0),), 2))[0][2]
+        factors[key] = now / profile.compute[key].prefill_time(512)
+    log("speed now vs calibration: " + ", ".join(f"{k} x{f:.2f}" for k, f in factors.items()))
+    return factors
 
 
 def summarize(cells: list[dict]) -> dict:
@@ -138,6 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--recalibrate", action="store_true",
                    help="calibrate again before each context length (a shared machine's speed drifts)")
+    p.add_argument("--track-drift", action="store_true",
+                   help="before each cell, time one 512-token prefill per model and scale the compute profile by "
+                        "how much slower or faster the machine runs than at calibration")
     p.add_argument("--downstream-model", default="smollm2",
                    help="B's model; another one (e.g. llama-360m-random) gets its own replica: a different-model edge")
     p.add_argument("--combine", nargs="+", metavar="JSON", default=None,

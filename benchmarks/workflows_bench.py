@@ -135,9 +135,11 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> di
         for s in strategies:
             cold_run(cluster, wf, s, chunk_tokens)
     samples = {s: [] for s in strategies}
+    chosen: dict[str, dict] = {}  # per strategy: what each agent ran and the run's events (auto: the plan)
     for _ in range(repeats):
         for s in strategies:
             res, cpu, engine_tok = cold_run(cluster, wf, s, chunk_tokens)
+            chosen[s] = {"agents": {n: a.strategy for n, a in res.agents.items()}, "events": res.events}
             row = {"wall_s": res.wall_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
                    "engine_tokens_computed": engine_tok}
             pairs = [n[1:] for n in res.agents if n.startswith("B")]
@@ -151,6 +153,8 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> di
         out[s]["speedup_vs_text"] = out["text"]["wall_s"] / out[s]["wall_s"]
         if "response_latency_s" in out[s]:
             out[s]["response_speedup_vs_text"] = out["text"]["response_latency_s"] / out[s]["response_latency_s"]
+    for s in strategies:
+        out[s]["ran"] = chosen[s]
     return out
 
 

@@ -72,6 +72,13 @@ class ComputeProfile:
         calls = -(-new_tokens // chunk_tokens)
         return self.prefill_time(new_tokens, context_tokens) + (calls - 1) * self.prefill_fixed_s
 
+    def scaled(self, factor: float) -> "ComputeProfile":
+        """Every time term multiplied by `factor` (> 0): the same replica running uniformly slower or
+        faster, as a shared machine drifts."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise CostModelError(f"ComputeProfile.scaled: factor must be positive and finite, got {factor!r}")
+        return ComputeProfile(*(getattr(self, f.name) * factor for f in fields(self)))
+
     @property
     def prefill_tokens_per_s(self) -> float:
         """Prefill throughput at 1024 new tokens and no context."""
@@ -160,6 +167,10 @@ class HardwareProfile:
         except CostModelError as exc:
             raise CostModelError(f"hardware {self.name!r}: {name_or_bandwidth!r} is neither a link of "
                                  f"{sorted(self.links)} nor 'BANDWIDTH[,LATENCY]' ({exc})") from None
+
+    def with_compute_scaled(self, factors: dict[str, float]) -> "HardwareProfile":
+        """A copy whose compute entries named in `factors` are scaled (see `ComputeProfile.scaled`)."""
+        return replace(self, compute={k: c.scaled(factors[k]) if k in factors else c for k, c in self.compute.items()})
 
     def with_link(self, name: str, link: LinkProfile) -> "HardwareProfile":
         """A copy with `link` added (or replaced) under `name`."""

@@ -312,3 +312,18 @@ def test_costmodel_imports_no_ray_or_torch():
             "print(sorted(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_scaled_compute_scales_every_term_and_rejects_bad_factors():
+    from costmodel.hardware import ComputeProfile, HardwareProfile
+
+    c = ComputeProfile(0.1, 1e-3, 1e-6, 0.05, 1e-3, 1e-5)
+    twice = c.scaled(2.0)
+    assert twice.prefill_time(300, 100) == pytest.approx(2 * c.prefill_time(300, 100))
+    assert twice.decode_step_time(4, 1000) == pytest.approx(2 * c.decode_step_time(4, 1000))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(CostModelError, match="factor"):
+            c.scaled(bad)
+    hw = HardwareProfile(name="t", measured=True, source="test", memcpy_bytes_per_s=1e9, compute={"a": c, "b": c})
+    slow = hw.with_compute_scaled({"a": 1.5})
+    assert slow.compute["a"].decode_fixed_s == pytest.approx(0.075) and slow.compute["b"] == c
