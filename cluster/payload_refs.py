@@ -43,6 +43,10 @@ class PayloadRefs:
             lineage: bool = True) -> None:
         self._entries[ref_id] = _Entry(tuple(payload.token_ids), fidelity, lineage, payload)
 
+    def require(self, ref_id: str) -> None:
+        """Raise `KVRefFreedError` unless `ref_id` is a live ref (resident or evicted)."""
+        self._entry(ref_id)
+
     def fidelity(self, ref_id: str) -> FidelityReport | None:
         return self._entry(ref_id).fidelity
 

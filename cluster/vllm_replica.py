@@ -33,8 +33,8 @@ from aaflow.engines_vllm.errors import VLLMUnsupportedError
 from aaflow.errors import KVComposeError, KVImportError, KVTransferError, ModelMismatchError
 from cluster.faults import FaultInjection
 from cluster.payload_refs import PayloadRefs
-from cluster.vllm_calibration import VLLMCalibration
 from cluster.replica import KVShape, RefRecord
+from cluster.vllm_calibration import VLLMCalibration
 
 VLLM_OPTIONS = ("prefix_caching", "max_model_len", "kv_cache_gib", "block_size", "enforce_eager", "python",
                 "startup_timeout_s")
@@ -161,7 +161,7 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
 
     def pin(self, ref_id: str, ttl_s: float | None = None) -> None:
         """Accepted for any live ref: this replica has no byte budget, so only `evict` drops payloads."""
-        self._refs.fidelity(ref_id)
+        self._refs.require(ref_id)
 
     unpin = pin
 
