@@ -54,7 +54,9 @@ def _run(args) -> int:
     import aaflow as af
 
     wf = af.load_workflow(args.workflow)
-    cluster = af.init(replicas={a.model: args.replicas for a in wf.agents()}, dtype=args.dtype)
+    engine, engines = parse_engines(args.engine)
+    cluster = af.init(replicas={a.model: args.replicas for a in wf.agents()}, dtype=args.dtype,
+                      engine=engine, engines=engines)
     try:
         res = af.run(wf, cluster, strategy=args.strategy)
     finally:
@@ -63,6 +65,21 @@ def _run(args) -> int:
         print(f"--- {name} ---\n{agent.text.strip()}\n")
     print(res.summary())
     return 0
+
+
+def parse_engines(values: list[str]) -> tuple[str, dict[str, str]]:
+    """`--engine` values ("vllm", or "MODEL=vllm" per model) -> (default engine, {model: engine})."""
+    engine, engines = "builtin", {}
+    for value in values:
+        model, _, kind = value.rpartition("=")
+        if kind not in ("builtin", "vllm"):
+            raise SystemExit(f"aaflow: --engine {value!r}: the engine must be 'builtin' or 'vllm' "
+                             "(for every model, or MODEL=vllm for one)")
+        if model:
+            engines[model] = kind
+        else:
+            engine = kind
+    return engine, engines
 
 
 def _hardware_name(name: str | None) -> str | None:
@@ -206,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["auto", "text", "recompute", "transfer", "stream", "transfer+stream"])
     run.add_argument("--replicas", type=int, default=2)
     run.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",
+                     help="builtin (default) or vllm, for every model or one: --engine smollm2=vllm (repeatable; "
+                          "vLLM needs `bash benchmarks/setup_vllm_env.sh`)")
     run.set_defaults(func=_run)
 
     plan = sub.add_parser("plan", help="the planner's strategy per edge and predicted times for a workflow YAML")

@@ -123,3 +123,14 @@ def test_cli_chat_answers_and_prints_tokens_per_second(smollm2_dir):
     out = _aaflow("chat", "--prompt", "What is the capital of France?", "--max-tokens", "16")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "tokens/s" in out.stdout
+
+
+def test_cli_engine_option_parses_per_model_and_rejects_unknown():
+    from aaflow.cli import parse_engines
+
+    assert parse_engines([]) == ("builtin", {})
+    assert parse_engines(["vllm"]) == ("vllm", {})
+    assert parse_engines(["smollm2=vllm", "/models/other=builtin"]) == ("builtin", {"smollm2": "vllm",
+                                                                                   "/models/other": "builtin"})
+    with pytest.raises(SystemExit, match="must be 'builtin' or 'vllm'"):
+        parse_engines(["smollm2=tgi"])
