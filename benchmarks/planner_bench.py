@@ -65,13 +65,18 @@ class Predictor:
                         call_overhead_s=profile.call_overhead_s).makespan_s
 
 
-def _measure(af, ray, cluster, wf, strategy, link, chunk, repeats, plan=None) -> float:
-    samples = []
-    for _ in range(repeats):
-        ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
-        res = af.run(wf, cluster, strategy=strategy, chunk_tokens=chunk, transport=link, plan=plan)
-        samples.append(res.wall_s)
-    return statistics.median(samples)
+def _measure(af, ray, cluster, wf, runs: list[tuple[str, str, object]], chunk, repeats) -> dict[str, float]:
+    """Median wall time per (strategy, link, plan) in `runs`, keyed by strategy. The runs are
+    interleaved inside each repeat, in an order rotated per repeat, so that no strategy is always
+    measured first or last while the machine drifts."""
+    samples: dict[str, list[float]] = {s: [] for s, _, _ in runs}
+    for rep in range(repeats):
+        k = rep % len(runs)
+        for strategy, link, plan in runs[k:] + runs[:k]:
+            ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
+            res = af.run(wf, cluster, strategy=strategy, chunk_tokens=chunk, transport=link, plan=plan)
+            samples[strategy].append(res.wall_s)
+    return {s: statistics.median(v) for s, v in samples.items()}
 
 
 def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
@@ -94,14 +99,16 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
             drift = _drift(ray, cluster, profiles[-1]) if args.track_drift else {}
             profile = profiles[-1].with_compute_scaled(drift)
             predict = Predictor(cluster, profile, args.chunk_tokens)
-            free = {s: _measure(af, ray, cluster, wf, s, "ray", args.chunk_tokens, args.repeats) for s in LINK_FREE}
+            free: dict[str, float] = {}  # text, recompute, stream: measured with the first link's runs
             for link in args.links:
                 plan = plan_checked(wf, cluster, builders, hardware=profile, transport=link,
                                     chunk_tokens=args.chunk_tokens, progress=None)
-                measured = dict(free)
-                for s in LINKED:
-                    measured[s] = _measure(af, ray, cluster, wf, s, link, args.chunk_tokens, args.repeats,
-                                           plan if s == "auto" else None)
+                runs = [(s, link, plan if s == "auto" else None) for s in LINKED]
+                if not free:
+                    runs = [(s, "ray", None) for s in LINK_FREE] + runs
+                measured = _measure(af, ray, cluster, wf, runs, args.chunk_tokens, args.repeats)
+                free = free or {s: measured[s] for s in LINK_FREE}
+                measured = {**free, **measured}
                 predicted = {s: predict(spec, s, link) for s in LINK_FREE + LINKED[:2]}
                 predicted["auto"] = plan.predicted.makespan_s
                 best = min(v for s, v in measured.items() if s != "auto")
