@@ -164,7 +164,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recalibrate", action="store_true",
                    help="calibrate again before each context length (a shared machine's speed drifts)")
     p.add_argument("--track-drift", action="store_true",
-                   help="before each cell, time one 512-token prefill per model and scale the compute profile by "
+                   help="before each cell, time a 512-token prefill per model (median of 2) and scale the compute profile by "
                         "how much slower or faster the machine runs than at calibration")
     p.add_argument("--downstream-model", default="smollm2",
                    help="B's model; another one (e.g. llama-360m-random) gets its own replica: a different-model edge")
