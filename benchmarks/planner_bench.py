@@ -67,12 +67,11 @@ class Predictor:
 
 def _measure(af, ray, cluster, wf, runs: list[tuple[str, str, object]], chunk, repeats) -> dict[str, float]:
     """Median wall time per (strategy, link, plan) in `runs`, keyed by strategy. The runs are
-    interleaved inside each repeat, in an order rotated per repeat, so that no strategy is always
-    measured first or last while the machine drifts."""
+    interleaved inside each repeat, forward in even repeats and backward in odd ones, so that over
+    two repeats every strategy sits on average mid-way while the machine drifts."""
     samples: dict[str, list[float]] = {s: [] for s, _, _ in runs}
     for rep in range(repeats):
-        k = rep % len(runs)
-        for strategy, link, plan in runs[k:] + runs[:k]:
+        for strategy, link, plan in (runs if rep % 2 == 0 else runs[::-1]):
             ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
             res = af.run(wf, cluster, strategy=strategy, chunk_tokens=chunk, transport=link, plan=plan)
             samples[strategy].append(res.wall_s)
