@@ -45,21 +45,21 @@ def edge_workflow(context: str, upstream_tokens: int, downstream_model: str = "s
 
 
 class Predictor:
-    """Simulated makespans from the calibrated profile, per strategy and link."""
+    """Simulated makespans from a calibrated profile, per strategy and link."""
 
-    def __init__(self, cluster, profile, chunk_tokens: int) -> None:
-        from aaflow.planning import model_profiles, replica_infos, replica_names
+    def __init__(self, cluster, infos: dict[str, dict], chunk_tokens: int) -> None:
+        from aaflow.planning import model_profiles, replica_names
 
-        self.profile, self.chunk = profile, chunk_tokens
-        self.models = model_profiles(replica_infos(cluster))
+        self.chunk = chunk_tokens
+        self.models = model_profiles(infos)
         self.replicas = replica_names(cluster)
 
-    def __call__(self, spec, strategy: str, link: str) -> float:
+    def __call__(self, profile, spec, strategy: str, link: str) -> float:
         from aaflow.planning import with_emulated_link
         from costmodel.simulate import simulate
         from costmodel.workflow_spec import ClusterSpec
 
-        profile = with_emulated_link(self.profile, link)
+        profile = with_emulated_link(profile, link)
         cspec = ClusterSpec(self.replicas, link=link, chunk_tokens=self.chunk)
         return simulate(spec, cspec, profile, self.models, {a.name: strategy for a in spec.agents},
                         call_overhead_s=profile.call_overhead_s).makespan_s
@@ -82,11 +82,15 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     """Every cell of the grid; the profile is calibrated first, and again before each context length
     with `--recalibrate`; with `--track-drift` each cell's predictions use it scaled by the speed
     measured just before the cell (this shared machine's speed drifts). Returns (cells, profiles)."""
-    from aaflow.planning import plan_checked, workflow_spec
+    from aaflow.calibration import model_key
+    from aaflow.planning import plan_checked, replica_infos, workflow_spec
     from aaflow.runtime import _builders
 
     builders, _, _ = _builders({"smollm2", args.downstream_model})
     tokenizer = builders["smollm2"].tokenizer
+    infos = replica_infos(cluster)
+    keys = {model: model_key(info) for model, info in infos.items()}  # compute-entry key per model
+    predict = Predictor(cluster, infos, args.chunk_tokens)
     cells, profiles = [], []
     for tokens in args.contexts:
         if not profiles or args.recalibrate:
@@ -95,9 +99,8 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
         for out in args.outputs:
             wf = edge_workflow(context, out, args.downstream_model)
             spec = workflow_spec(wf, builders)
-            drift = _drift(ray, cluster, profiles[-1]) if args.track_drift else {}
+            drift = _drift(ray, cluster, profiles[-1], keys) if args.track_drift else {}
             profile = profiles[-1].with_compute_scaled(drift)
-            predict = Predictor(cluster, profile, args.chunk_tokens)
             free: dict[str, float] = {}  # text, recompute, stream: measured with the first link's runs
             for link in args.links:
                 plan = plan_checked(wf, cluster, builders, hardware=profile, transport=link,
@@ -108,7 +111,7 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
                 measured = _measure(af, ray, cluster, wf, runs, args.chunk_tokens, args.repeats)
                 free = free or {s: measured[s] for s in LINK_FREE}
                 measured = {**free, **measured}
-                predicted = {s: predict(spec, s, link) for s in LINK_FREE + LINKED[:2]}
+                predicted = {s: predict(profile, spec, s, link) for s in LINK_FREE + LINKED[:2]}
                 predicted["auto"] = plan.predicted.makespan_s
                 best = min(v for s, v in measured.items() if s != "auto")
                 cell = {"context_tokens": tokens, "upstream_tokens": out, "link": link, "profile": len(profiles) - 1,
@@ -124,15 +127,13 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     return cells, profiles
 
 
-def _drift(ray, cluster, profile) -> dict[str, float]:
-    """Per compute entry: how much slower (> 1) or faster each model's replica runs now than when
-    `profile` was calibrated, from a 512-token prefill timed inside the replica (median of 2, about 1 s)."""
-    from aaflow.calibration import model_key
-
+def _drift(ray, cluster, profile, keys: dict[str, str]) -> dict[str, float]:
+    """Per compute entry (`keys`: model -> entry): how much slower (> 1) or faster each model's
+    replica runs now than when `profile` was calibrated, from a 512-token prefill timed inside the
+    replica (median of 2, about 1 s)."""
     factors = {}
-    for model in sorted(cluster.models):
+    for model, key in sorted(keys.items()):
         actor = cluster.replicas(model)[0].actor
-        key = model_key(ray.get(actor.info.remote()))
         now = ray.get(actor.calibrate_prefill.remote(((512, 0),), 2))[0][2]
         factors[key] = now / profile.compute[key].prefill_time(512)
     log("speed now vs calibration: " + ", ".join(f"{k} x{f:.2f}" for k, f in factors.items()))

@@ -17,11 +17,10 @@ from cluster.calibration import QUICK_DECODE, Calibration
 
 
 class VLLMCalibration(Calibration):
-    """Mixin for `VLLMReplica` (uses `self.engine`, a `VLLMEngine`, and `self.name`)."""
+    """Mixin for `VLLMReplica` (uses `self.engine`, a `VLLMEngine`, `self.name` and `self.info()`)."""
 
     def _fits(self, tokens: int, sequences: int = 1) -> bool:
-        limit = self.engine.info.get("max_model_len", self.engine.config.max_position_embeddings)
-        return tokens + 2 <= limit  # room for the sampled tokens
+        return tokens + 2 <= self.info()["max_tokens"]  # room for the sampled tokens
 
     def _one_token(self, rid: str, ids: list[int], use_cache: bool) -> float:
         t0 = time.perf_counter()

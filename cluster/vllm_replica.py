@@ -73,6 +73,7 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
         self._transports: dict[str, object] = {}
         self._ids = itertools.count()
         self._computed = self._reused = 0
+        self._rotary = None  # made on the first rerotate compose
 
     # --- identity -------------------------------------------------------------------------
     def info(self) -> dict:
@@ -147,17 +148,13 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
         if mode not in ("exact", "rerotate"):
             raise KVComposeError(f"unknown compose mode {mode!r}: use 'exact', 'rerotate' or 'blend'")
         parts = [(i, self._ref(i).token_ids, self._ref(i).kv) for i in ref_ids]
-        tokens, kv, moved = join_parts(parts, mode, self._shift_keys)
+        if self._rotary is None:  # the built-in engine's RoPE: the payload format is the same
+            from aaflow.engine.rope import RotaryTable
+
+            self._rotary = RotaryTable(self.engine.config, self.engine.dtype)
+        tokens, kv, moved = join_parts(parts, mode, self._rotary.shift_kv)
         fidelity = FidelityReport(mode, total_tokens=len(tokens)) if moved else None
         return self._record(KVExport(self.engine.fingerprint, tuple(tokens), kv), fidelity)
-
-    def _shift_keys(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
-        """kv [layers, 2, n, kv_heads, head_dim] with keys re-rotated by `delta` positions."""
-        from aaflow.engine.rope import RotaryTable
-
-        shifted = kv.clone()
-        shifted[:, 0] = RotaryTable(self.engine.config, kv.dtype).shift_keys(kv[:, 0], delta)
-        return shifted
 
     def pin(self, ref_id: str, ttl_s: float | None = None) -> None:
         """Accepted for any live ref: this replica has no byte budget, so only `evict` drops payloads."""

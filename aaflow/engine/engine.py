@@ -134,9 +134,7 @@ class Engine(PromptText):
     def shift_keys(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
         """kv [layers, 2, n, kv_heads, head_dim] with keys re-rotated by `delta` positions (values
         unchanged): a new tensor of the same shape."""
-        shifted = kv.clone()
-        shifted[:, 0] = self.runner.model.rotary.shift_keys(kv[:, 0], delta)
-        return shifted
+        return self.runner.model.rotary.shift_kv(kv, delta)
 
     def blend(self, seq_id: int, candidate_positions: list[int], fraction: float):
         """Recompute the most-deviating `fraction` of candidate positions in place (a `BlendResult`)."""

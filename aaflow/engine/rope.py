@@ -67,3 +67,10 @@ class RotaryTable:
         half = k.shape[-1] // 2
         rotated = torch.cat((-k32[..., half:], k32[..., :half]), dim=-1)
         return (k32 * emb.cos() + rotated * emb.sin()).to(k.dtype)
+
+    def shift_kv(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
+        """kv [layers, 2, n, kv_heads, head_dim] with its keys moved by `delta` positions (values
+        unchanged): a new tensor of the same shape."""
+        shifted = kv.clone()
+        shifted[:, 0] = self.shift_keys(kv[:, 0], delta)
+        return shifted
