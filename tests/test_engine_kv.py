@@ -159,3 +159,28 @@ def test_stats_count_blocks_and_tokens(tiny_engine):
     assert mid.tokens_computed - start.tokens_computed == 40
     tiny_engine.free(s)
     assert tiny_engine.stats().used == 0
+
+
+@pytest.mark.parametrize("slots", [
+    list(range(40, 117)),                                     # one run
+    list(range(0, 200)) + list(range(300, 420)) + list(range(200, 230)),  # runs out of order
+    [5, 90, 3, 17, 64, 2, 33, 48],                             # fragmented: falls back to a gather
+    list(range(0, 512, 2)),                                    # every other slot: a gather too
+])
+def test_read_and_write_tokens_by_runs_equal_slot_by_slot(slots):
+    from aaflow.engine.kv_cache import KVLayout, PagedKVCache, slot_runs
+
+    cache = PagedKVCache(KVLayout(num_layers=3, num_blocks=32, block_size=16, num_kv_heads=2, head_dim=4,
+                                  dtype=torch.bfloat16))
+    cache.tensor.copy_(torch.randn(cache.layout.shape))
+    index = torch.tensor(slots)
+    assert sum(n for _, _, n in slot_runs(index)) == len(slots)
+    flat = cache.tensor.view(3, 2, 512, 2, 4)
+    assert torch.equal(cache.read_tokens(index), flat.index_select(2, index))
+    kv = torch.randn(3, 2, len(slots), 2, 4).to(torch.bfloat16)
+    before = flat.clone()
+    cache.write_tokens(index, kv)
+    assert torch.equal(flat.index_select(2, index), kv)
+    untouched = torch.ones(512, dtype=torch.bool)
+    untouched[index] = False
+    assert torch.equal(flat[:, :, untouched], before[:, :, untouched])

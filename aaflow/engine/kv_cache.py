@@ -70,11 +70,40 @@ class PagedKVCache:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
 
     def read_tokens(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """slots: [T] -> contiguous KV [num_layers, 2, T, num_kv_heads, head_dim] (into `out` if given)."""
+        """slots: [T] -> contiguous KV [num_layers, 2, T, num_kv_heads, head_dim] (into `out` if given).
+
+        Copies whole runs of consecutive slots (a sequence's blocks, merged where their ids follow
+        each other) instead of gathering token by token: a few large copies run near memcpy speed."""
+        lay = self.layout
         if out is None:
-            return self._flat.index_select(2, slots)
-        return torch.index_select(self._flat, 2, slots, out=out)
+            out = torch.empty((lay.num_layers, 2, len(slots), lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
+        runs = slot_runs(slots)
+        if len(runs) * _MIN_RUN > len(slots):  # fragmented: one gather beats many small copies
+            return torch.index_select(self._flat, 2, slots, out=out)
+        for dst, src, n in runs:
+            out[:, :, dst:dst + n].copy_(self._flat[:, :, src:src + n])
+        return out
 
     def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """slots: [T]; kv: [num_layers, 2, T, num_kv_heads, head_dim] -> stored at those slots."""
-        self._flat.index_copy_(2, slots, kv)
+        """slots: [T]; kv: [num_layers, 2, T, num_kv_heads, head_dim] -> stored at those slots (by runs,
+        as `read_tokens`)."""
+        runs = slot_runs(slots)
+        if len(runs) * _MIN_RUN > len(slots):
+            self._flat.index_copy_(2, slots, kv)
+            return
+        for dst, src, n in runs:
+            self._flat[:, :, src:src + n].copy_(kv[:, :, dst:dst + n])
+
+
+_MIN_RUN = 64  # below this mean run length (tokens), one gather / scatter beats many small copies
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """slots: [T] -> (offset in slots, first slot, length) of each run of consecutive slots."""
+    if len(slots) == 0:
+        return []
+    breaks = torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1  # [runs - 1]
+    starts = [0] + breaks.tolist()
+    ends = starts[1:] + [len(slots)]
+    firsts = slots[starts].tolist()
+    return [(a, f, b - a) for a, b, f in zip(starts, ends, firsts)]
