@@ -121,27 +121,52 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
     return links, samples_out
 
 
-def _concurrency_slowdown(replicas, progress) -> float:
+def _concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float = 0.15) -> float:
     """How much slower a replica computes while another one computes too (>= 1): the same prefill
-    alone, then on two replicas at once, timed inside the replicas. A long prefill (2,048 tokens
-    where the model allows) is used: contention for memory bandwidth grows with the working set,
-    and long contexts are where the planner's choice between overlapping and waiting matters."""
+    alone, then on two replicas at once, then alone again, timed inside the replicas. A long prefill
+    (2,048 tokens where the model allows) is used: contention for memory bandwidth grows with the
+    working set, and long contexts are where the planner's choice between overlapping and waiting
+    matters. On a shared machine whose speed drifts, the two solo timings disagree; then the
+    measurement is repeated (up to `attempts` times) and the median estimate kept."""
     import ray
 
     if len(replicas) < 2:
         return 1.0
     pair = replicas[:2]
+
+    def alone(point):  # one replica at a time: [seconds per replica]
+        return [ray.get(r.actor.calibrate_prefill.remote(point, 1)) for r in pair]
+
     for tokens in (2048, 512):  # the longest prefill both pools can hold
         point = ((tokens, 0),)
-        alone = [ray.get(r.actor.calibrate_prefill.remote(point, 2)) for r in pair]  # one at a time
-        if all(alone):
+        before = alone(point)
+        if all(before):
             break
     else:
         return 1.0
-    together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in pair])
-    slowdown = max(1.0, statistics.mean(t[0][2] / a[0][2] for t, a in zip(together, alone)))
+    estimates = []
+    for attempt in range(attempts):
+        if attempt:
+            before = alone(point)
+        together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in pair])
+        after = alone(point)
+        estimate, drift = slowdown_estimate(*([s[0][2] for s in samples] for samples in (before, together, after)))
+        estimates.append(estimate)
+        if drift <= max_drift:
+            break
+        _say(progress, f"  this machine's speed drifted {drift:.0%} during the contention measurement; measuring again")
+    slowdown = max(1.0, statistics.median(estimates))
     _say(progress, f"  two replicas prefilling {tokens} tokens at once: {slowdown:.2f}x slower each")
     return slowdown
+
+
+def slowdown_estimate(before: list[float], together: list[float], after: list[float]) -> tuple[float, float]:
+    """Per-replica prefill seconds alone (before), at once (together), alone again (after) ->
+    (mean of together / mean solo time, the largest relative change between the two solo timings)."""
+    solo = [(b + a) / 2 for b, a in zip(before, after)]
+    estimate = statistics.mean(t / s for t, s in zip(together, solo))
+    drift = max(abs(b - a) / min(b, a) for b, a in zip(before, after))
+    return estimate, drift
 
 
 def calibrate(cluster, name: str | None = None, quick: bool = True, transports: tuple[str, ...] | None = None,

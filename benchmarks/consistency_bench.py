@@ -99,8 +99,10 @@ def compose_fidelity(args) -> dict:
 def run(args) -> dict:
     if args.quick:
         args.max_tokens = args.max_tokens or 16
+        args.dtypes = args.dtypes or ["float32"]
         args.compose_pairs = 2 if args.compose_pairs is None else args.compose_pairs
     args.compose_pairs = 12 if args.compose_pairs is None else args.compose_pairs
+    args.dtypes = args.dtypes or ["float32", "bfloat16"]
     strategies = ["text"] + [s for s in args.strategies if s != "text"]
     report = {"benchmark": "consistency", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
@@ -130,8 +132,9 @@ def _plot(out, report) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="16 tokens per agent, 2 compose pairs")
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--quick", action="store_true", help="16 tokens per agent, float32 only, 2 compose pairs")
+    p.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "bfloat16"],
+                   help="default: float32 (the exactness check) and bfloat16; quick: float32")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES)
     p.add_argument("--max-tokens", type=int, default=None, help="per agent (default: the YAML's; quick: 16)")
     p.add_argument("--compose-pairs", type=int, default=None,

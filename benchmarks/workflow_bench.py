@@ -55,7 +55,8 @@ def _cold_run(cluster, wf, strategy, chunk_tokens):
 
 
 def run(args) -> dict:
-    if getattr(args, "quick", False):
+    args.quick = getattr(args, "quick", False)
+    if args.quick:
         args.concurrency, args.repeats = [1, 8], 1
     import aaflow as af
 
@@ -69,8 +70,9 @@ def run(args) -> dict:
         for c in args.concurrency:
             wf = _pair_workflow(c, system_prompt, args.a_tokens, args.downstream_model)
             samples = {s: [] for s in args.strategies}
-            for s in args.strategies:  # warm-up, not recorded
-                _cold_run(cluster, wf, s, args.chunk_tokens)
+            if not (args.quick and c != args.concurrency[0]):  # warm-up, not recorded (quick: once)
+                for s in args.strategies:
+                    _cold_run(cluster, wf, s, args.chunk_tokens)
             for _ in range(args.repeats):
                 for s in args.strategies:
                     res = _cold_run(cluster, wf, s, args.chunk_tokens)
@@ -117,4 +119,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "runs the heterogeneous pair on one replica per model and skips map-reduce")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/workflow.json")
-    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, one repeat")
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, one repeat, one warm-up round")

@@ -327,3 +327,13 @@ def test_scaled_compute_scales_every_term_and_rejects_bad_factors():
     hw = HardwareProfile(name="t", measured=True, source="test", memcpy_bytes_per_s=1e9, compute={"a": c, "b": c})
     slow = hw.with_compute_scaled({"a": 1.5})
     assert slow.compute["a"].decode_fixed_s == pytest.approx(0.075) and slow.compute["b"] == c
+
+
+def test_contention_estimate_uses_both_solo_timings_and_reports_drift():
+    from aaflow.calibration import slowdown_estimate
+
+    estimate, drift = slowdown_estimate(before=[1.0, 2.0], together=[1.2, 2.4], after=[1.0, 2.0])
+    assert estimate == pytest.approx(1.2) and drift == 0
+    # the machine slowed down mid-measurement: solo = mean of both, drift = the larger relative change
+    estimate, drift = slowdown_estimate(before=[1.0, 1.0], together=[1.5, 1.5], after=[1.5, 1.2])
+    assert estimate == pytest.approx((1.5 / 1.25 + 1.5 / 1.1) / 2) and drift == pytest.approx(0.5)
