@@ -150,7 +150,8 @@ def _concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: floa
             before = alone(point)
         together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in pair])
         after = alone(point)
-        estimate, drift = slowdown_estimate(*([s[0][2] for s in samples] for samples in (before, together, after)))
+        seconds = [[replica[0][2] for replica in samples] for samples in (before, together, after)]
+        estimate, drift = slowdown_estimate(*seconds)
         estimates.append(estimate)
         if drift <= max_drift:
             break

@@ -46,6 +46,20 @@ class KVLayout:
         return self.token_nbytes * self.block_size
 
 
+_MIN_RUN = 64  # below this mean run length (tokens), one gather / scatter beats many small copies
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """slots: [T] -> (offset in slots, first slot, length) of each run of consecutive slots."""
+    if len(slots) == 0:
+        return []
+    breaks = torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1  # [runs - 1]
+    starts = [0] + breaks.tolist()
+    ends = starts[1:] + [len(slots)]
+    firsts = slots[starts].tolist()
+    return [(a, f, b - a) for a, b, f in zip(starts, ends, firsts)]
+
+
 class PagedKVCache:
     """Owns the pool tensor; reads and writes K/V by slot. Knows nothing of sequences."""
 
@@ -94,16 +108,3 @@ class PagedKVCache:
         for dst, src, n in runs:
             self._flat[:, :, src:src + n].copy_(kv[:, :, dst:dst + n])
 
-
-_MIN_RUN = 64  # below this mean run length (tokens), one gather / scatter beats many small copies
-
-
-def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
-    """slots: [T] -> (offset in slots, first slot, length) of each run of consecutive slots."""
-    if len(slots) == 0:
-        return []
-    breaks = torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1  # [runs - 1]
-    starts = [0] + breaks.tolist()
-    ends = starts[1:] + [len(slots)]
-    firsts = slots[starts].tolist()
-    return [(a, f, b - a) for a, b, f in zip(starts, ends, firsts)]
