@@ -73,6 +73,7 @@ def run(args) -> dict:
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
               "summary": summary, "rows": rows}
     write_json(args.out, report)
+    _plot(args.out, report)
     return report
 
 
@@ -85,3 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=24)
     p.add_argument("--out", default="results/compose.json")
     p.add_argument("--quick", action="store_true", help="four pairs, r = 0.15 only")
+
+
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
+
+    summary = report["summary"]
+    write_plot(out, [
+        {"title": "top-1 agreement with full recompute", "kind": "bar", "ylabel": "fraction",
+         "series": {"top-1": {m: v["top1_agreement_mean"] for m, v in summary.items()}}, "hlines": {"target": 0.95}},
+        {"title": "compose time vs full prefill", "kind": "bar", "ylabel": "ms",
+         "series": {m: {"compose": v["compose_s_median"] * 1e3, "full prefill": v["full_prefill_s_median"] * 1e3}
+                    for m, v in summary.items()}},
+    ])

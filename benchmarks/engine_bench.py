@@ -157,6 +157,7 @@ def run(args) -> dict:
                         "vs_vllm": _ratios(report["aaflow"], report["vllm"])}
     log("ratios (aaflow / other, >1 = aaflow faster): " + json.dumps(report["ratios"], indent=1))
     write_json(args.out, report)
+    _plot(args.out, report)
     return report
 
 
@@ -180,3 +181,15 @@ if __name__ == "__main__":
     add_arguments(parser)
     run(parser.parse_args())
     sys.exit(0)
+
+
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
+
+    engines = {k: report[k] for k in ("aaflow", "transformers", "vllm") if "prefill" in report.get(k, {})}
+    write_plot(out, [
+        {"title": "prefill", "kind": "bar", "xlabel": "prompt tokens", "ylabel": "tokens/s",
+         "series": {e: {n: v["tok_per_s"] for n, v in r["prefill"].items()} for e, r in engines.items()}},
+        {"title": "decode", "kind": "bar", "xlabel": "batch", "ylabel": "tokens/s (all sequences)",
+         "series": {e: {b: v["tok_per_s"] for b, v in r["decode"].items()} for e, r in engines.items()}},
+    ], suptitle=f"engine throughput, {report['dtype']}, {report['threads']['aaflow']} thread(s)")

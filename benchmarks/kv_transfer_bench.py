@@ -94,6 +94,7 @@ def run(args) -> dict:
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
               "memcpy_bytes_per_s": bandwidth, "rows": rows}
     write_json(args.out, report)
+    _plot(args.out, report)
     return report
 
 
@@ -107,3 +108,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/transfer.json")
     p.add_argument("--quick", action="store_true", help="two lengths, two repeats")
+
+
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
+
+    rows = report["rows"]
+    names = sorted({t for r in rows for t in r["transports"]})
+    ttft = {t: {r["tokens"]: r["transports"][t]["ttft_s"] * 1e3 for r in rows if t in r["transports"]}
+            for t in names}
+    ttft["recompute"] = {r["tokens"]: r["recompute_ttft_s"] * 1e3 for r in rows}
+    fetch = {t: {r["tokens"]: r["transports"][t]["fetch_bytes_per_s"] / 1e9 for r in rows if t in r["transports"]}
+             for t in names}
+    write_plot(out, [
+        {"title": "downstream TTFT", "xlabel": "context tokens", "ylabel": "ms", "logx": True, "logy": True,
+         "series": ttft},
+        {"title": "fetch bandwidth", "xlabel": "context tokens", "ylabel": "GB/s", "logx": True, "series": fetch,
+         "hlines": {"memcpy (same run)": report["memcpy_bytes_per_s"] / 1e9}},
+    ], suptitle="KV transfer between two replica processes (SmolLM2)")

@@ -63,6 +63,7 @@ def run(args) -> dict:
     }
     log(f"memory reduction with fork: {report['memory_reduction_x']:.2f}x (AAFLOW+ reports 1.72-6.10x)")
     write_json(args.out, report)
+    _plot(args.out, report)
     return report
 
 
@@ -83,3 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--private", type=int, default=256)
     p.add_argument("--out", default="results/memory.json")
     p.add_argument("--quick", action="store_true", help="a 2,048-token context")
+
+
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
+
+    mib = {"fork": report["fork"]["pool_bytes"] / 2**20,
+           "independent copies": report["independent_copies"]["pool_bytes"] / 2**20}
+    write_plot(out, [{"title": f"KV pool bytes: {report['memory_reduction_x']:.2f}x smaller with fork",
+                      "kind": "bar", "ylabel": "MiB", "series": {"pool": mib}}])

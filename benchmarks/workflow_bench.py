@@ -91,6 +91,7 @@ def run(args) -> dict:
     finally:
         cluster.shutdown()
     write_json(args.out, report)
+    _plot(args.out, report)
     return report
 
 
@@ -120,3 +121,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/workflow.json")
     p.add_argument("--quick", action="store_true", help="concurrency 1 and 8, one repeat, one warm-up round")
+
+
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
+
+    pairs = report["pairs"]
+    strategies = list(next(iter(pairs.values()))) if pairs else []
+    panels = [{"title": "A->B: B's response latency", "xlabel": "pairs", "ylabel": "s",
+               "series": {s: {int(c): row[s]["response_latency_s"] for c, row in pairs.items()} for s in strategies}}]
+    if "map_reduce" in report:
+        mr = report["map_reduce"]
+        panels.append({"title": f"map-reduce: {mr['latency_reduction']:.0%} lower", "kind": "bar", "ylabel": "s",
+                       "series": {"end-to-end": {"text": mr["text"], "auto": mr["auto"]}}})
+    write_plot(out, panels)

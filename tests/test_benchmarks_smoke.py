@@ -46,3 +46,30 @@ def test_plots_write_png(tmp_path):
     ])
     assert out == tmp_path / "tiny.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _speed(tok_per_s):
+    return {"tok_per_s": tok_per_s}
+
+
+REPORTS = {  # the smallest report of each shape the benchmark writes
+    "engine_bench": {"dtype": "bfloat16", "threads": {"aaflow": 1},
+                     "aaflow": {"prefill": {"512": _speed(900.0)}, "decode": {"1": _speed(20.0)}},
+                     "transformers": {"prefill": {"512": _speed(700.0)}, "decode": {"1": _speed(13.0)}},
+                     "vllm": {"skipped": "--no-vllm"}},
+    "memory_bench": {"fork": {"pool_bytes": 2**27}, "independent_copies": {"pool_bytes": 2**30},
+                     "memory_reduction_x": 8.0},
+    "kv_transfer_bench": {"memcpy_bytes_per_s": 6e9, "rows": [
+        {"tokens": n, "recompute_ttft_s": n / 1e3,
+         "transports": {"ray": {"ttft_s": 0.1 + n / 4e4, "fetch_bytes_per_s": 3e9}}} for n in (512, 4096)]},
+    "workflow_bench": {"pairs": {"1": {"text": {"response_latency_s": 5.0}, "stream": {"response_latency_s": 4.0}}},
+                       "map_reduce": {"text": 10.0, "auto": 7.0, "latency_reduction": 0.3}},
+    "compose_bench": {"summary": {"rerotate": {"top1_agreement_mean": 0.9, "compose_s_median": 0.004,
+                                               "full_prefill_s_median": 0.1}}},
+}
+
+
+@pytest.mark.parametrize("module", sorted(REPORTS))
+def test_each_benchmark_draws_its_report(tmp_path, module):
+    importlib.import_module(f"benchmarks.{module}")._plot(str(tmp_path / "r.json"), REPORTS[module])
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
