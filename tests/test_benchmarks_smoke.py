@@ -73,3 +73,16 @@ REPORTS = {  # the smallest report of each shape the benchmark writes
 def test_each_benchmark_draws_its_report(tmp_path, module):
     importlib.import_module(f"benchmarks.{module}")._plot(str(tmp_path / "r.json"), REPORTS[module])
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_baseline_engines_see_the_workflow_as_text_passing():
+    from benchmarks.baseline_engines import _dependency_order, agent_specs
+    from benchmarks.workflows_bench import map_reduce_workflow
+
+    agents = agent_specs({"mr": map_reduce_workflow("A short document.", 4)})["mr"]
+    order = [a["name"] for a in _dependency_order(list(reversed(agents)))]
+    assert order[-1] == "meta" and sorted(order[:-1]) == ["r_limitations", "r_method", "r_novelty"]
+    meta = next(a for a in agents if a["name"] == "meta")
+    assert meta["prompt"][0] == "A short document." and {"ref": "r_novelty"} in meta["prompt"]
+    with pytest.raises(ValueError, match="wait on each other"):
+        _dependency_order([{"name": "a", "prompt": [{"ref": "b"}]}, {"name": "b", "prompt": [{"ref": "a"}]}])
