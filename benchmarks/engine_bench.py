@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.baseline_engines import VLLM_PYTHON
 from benchmarks.common import log, machine_facts, median_time, write_json
 from costmodel.microbench import memcpy_bandwidth
-
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
 def _random_ids(n: int, seed: int, vocab: int) -> list[int]:
