@@ -175,13 +175,6 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="one prompt length, batches 1 and 8, no vLLM")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser)
-    run(parser.parse_args())
-    sys.exit(0)
-
-
 def _plot(out, report) -> None:
     from benchmarks.plots import write_plot
 
@@ -192,3 +185,10 @@ def _plot(out, report) -> None:
         {"title": "decode", "kind": "bar", "xlabel": "batch", "ylabel": "tokens/s (all sequences)",
          "series": {e: {b: v["tok_per_s"] for b, v in r["decode"].items()} for e, r in engines.items()}},
     ], suptitle=f"engine throughput, {report['dtype']}, {report['threads']['aaflow']} thread(s)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    run(parser.parse_args())
+    sys.exit(0)

@@ -49,6 +49,12 @@ class KVLayout:
 _MIN_RUN = 64  # below this mean run length (tokens), one gather / scatter beats many small copies
 
 
+def _long_runs(slots: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """`slot_runs(slots)` when they are long enough to copy run by run; None for a fragmented table."""
+    runs = slot_runs(slots)
+    return runs if len(runs) * _MIN_RUN <= len(slots) else None
+
+
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     """slots: [T] -> (offset in slots, first slot, length) of each run of consecutive slots."""
     if len(slots) == 0:
@@ -91,8 +97,8 @@ class PagedKVCache:
         lay = self.layout
         if out is None:
             out = torch.empty((lay.num_layers, 2, len(slots), lay.num_kv_heads, lay.head_dim), dtype=lay.dtype)
-        runs = slot_runs(slots)
-        if len(runs) * _MIN_RUN > len(slots):  # fragmented: one gather beats many small copies
+        runs = _long_runs(slots)
+        if runs is None:  # fragmented: one gather beats many small copies
             return torch.index_select(self._flat, 2, slots, out=out)
         for dst, src, n in runs:
             out[:, :, dst:dst + n].copy_(self._flat[:, :, src:src + n])
@@ -101,8 +107,8 @@ class PagedKVCache:
     def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """slots: [T]; kv: [num_layers, 2, T, num_kv_heads, head_dim] -> stored at those slots (by runs,
         as `read_tokens`)."""
-        runs = slot_runs(slots)
-        if len(runs) * _MIN_RUN > len(slots):
+        runs = _long_runs(slots)
+        if runs is None:
             self._flat.index_copy_(2, slots, kv)
             return
         for dst, src, n in runs:
