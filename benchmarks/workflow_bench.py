@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from aaflow.engine.engine import DEFAULT_KV_CACHE_BYTES
 from benchmarks.common import log, machine_facts, write_json
 from configs import CONFIG_DIR
 
@@ -63,7 +64,9 @@ def run(args) -> dict:
     system_prompt = "\n\n".join([(CONFIG_DIR / "workflows" / "paper.txt").read_text()] * args.system_repeats)
     hetero = args.downstream_model != "smollm2"
     replicas = {"smollm2": 1, args.downstream_model: 1} if hetero else {"smollm2": 2}
-    cluster = af.init(replicas=replicas, dtype=args.dtype)
+    # a replica holds up to every pair's B prompt at once (text passing computes each in full)
+    kv_bytes = DEFAULT_KV_CACHE_BYTES * max(1, -(-max(args.concurrency) // 8))
+    cluster = af.init(replicas=replicas, dtype=args.dtype, kv_cache_bytes=kv_bytes)
     report = {"benchmark": "workflow", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "pairs": {}}
     try:
@@ -109,7 +112,7 @@ def _map_reduce(cluster, args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--strategies", nargs="+", default=["text", "stream", "auto"])
     p.add_argument("--a-tokens", type=int, default=64, help="tokens the upstream agent A generates")
     p.add_argument("--system-repeats", type=int, default=3, help="copies of the paper in B's system prompt")

@@ -45,7 +45,22 @@ class SequenceSessions:
         logits = self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix)
         computed = self.engine.stats().tokens_computed - before
         out = {"computed": computed, "reused": len(token_ids) - computed, "seconds": time.perf_counter() - t0}
-        if sampling is not None:
+        return self._maybe_first_token(s, sampling, logits, out)
+
+    def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
+        """Prefill several sessions' prompt segments together (`KVRunner.prefill_packed`). Each request
+        is (sid, token_ids, sampling, reuse_prefix), answered as `session_prefill` would answer it."""
+        sessions = [self._sessions()[r[0]] for r in requests]
+        t0 = time.perf_counter()
+        logits, reused = self.engine.prefill_packed([s.seq_id for s in sessions], [list(r[1]) for r in requests],
+                                                    [bool(r[3]) for r in requests])  # [n, vocab]
+        seconds = time.perf_counter() - t0
+        return [self._maybe_first_token(s, r[2], row, {"computed": len(r[1]) - n, "reused": n, "seconds": seconds})
+                for s, r, n, row in zip(sessions, requests, reused, logits)]
+
+    @staticmethod
+    def _maybe_first_token(s: _Session, sampling: SamplingParams | None, logits, out: dict) -> dict:
+        if sampling is not None:  # logits: [vocab] of the prompt's last token
             s.sampler = Sampler(sampling)
             out["token"] = s.sampler(logits[None])[0]
             s.generated.append(out["token"])

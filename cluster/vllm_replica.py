@@ -264,6 +264,10 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
             out["token"] = int(first["token"])
         return out
 
+    def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
+        """`session_prefill` for each (sid, token_ids, sampling, reuse_prefix), one after another."""
+        return [self.session_prefill(sid, ids, sampling, reuse) for sid, ids, sampling, reuse in requests]
+
     def session_step(self, sids: list[str]) -> list[int]:
         """One new token per session (vLLM advances all its running requests together)."""
         self._maybe_fail("step")

@@ -50,14 +50,27 @@ class AttentionBatch:
         return cls(len(context_slots), 1, write_slots, padded, mask, False)
 
 
+@dataclass
+class PackedBatch:
+    """Several sequences' prefill chunks packed along the token axis, so that one forward pass reads
+    the weights once for all of them; attention runs per sequence. parts[i] covers the new tokens
+    [offsets[i], offsets[i + 1])."""
+
+    parts: list[AttentionBatch]
+    offsets: list[int]  # [len(parts) + 1]
+
+
 def paged_attention(
     layer: int,
     q: torch.Tensor,  # [T, H, D], T = batch * q_len
     k: torch.Tensor,  # [T, Hkv, D] (already rotated)
     v: torch.Tensor,  # [T, Hkv, D]
     cache: PagedKVCache,
-    batch: AttentionBatch,
+    batch: AttentionBatch | PackedBatch,
 ) -> torch.Tensor:  # [T, H * D]
+    if isinstance(batch, PackedBatch):
+        spans = zip(batch.parts, batch.offsets, batch.offsets[1:])
+        return torch.cat([paged_attention(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])
     cache.write(layer, batch.write_slots, k, v)
     B, S = batch.batch, batch.q_len
     heads, dim = q.shape[1], q.shape[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aaflow.engine.attention import AttentionBatch, paged_attention
+from aaflow.engine.attention import AttentionBatch, PackedBatch, paged_attention
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.rope import RotaryTable
@@ -28,7 +28,7 @@ class LlamaModel:
 
     def _layer(
         self, index: int, w: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache: PagedKVCache, batch: AttentionBatch,
+        cache: PagedKVCache, batch: AttentionBatch | PackedBatch,
     ) -> torch.Tensor:  # h: [T, hidden] -> [T, hidden]
         c = self.config
         T = h.shape[0]
@@ -44,8 +44,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def run_layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: AttentionBatch,
-        num_layers: int,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+        batch: AttentionBatch | PackedBatch, num_layers: int,
     ) -> torch.Tensor:  # input_ids, positions: [T] -> hidden states after `num_layers` layers [T, hidden]
         """Run the first `num_layers` layers, writing the new tokens' K/V of those layers to the cache."""
         h = self.weights.embed[input_ids]  # [T, hidden]
@@ -60,7 +60,7 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         cache: PagedKVCache,
-        batch: AttentionBatch,
+        batch: AttentionBatch | PackedBatch,
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to the vocabulary; None = all
     ) -> torch.Tensor:  # float32 logits [R, vocab]
         h = self.run_layers(input_ids, positions, cache, batch, self.config.num_layers)

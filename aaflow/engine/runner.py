@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from aaflow.engine.attention import AttentionBatch
+from aaflow.engine.attention import AttentionBatch, PackedBatch
 from aaflow.engine.block_manager import BlockManager, BlockStats
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
@@ -142,19 +142,92 @@ class KVRunner:
                   for i in range(0, len(remaining), step)]
         return torch.cat(chunks) if all_logits else chunks[-1][0]
 
-    def _forward_chunk(self, seq: Sequence, chunk: list[int], all_logits: bool = False) -> torch.Tensor:
+    def prefill_packed(self, seq_ids: list[int], token_lists: list[list[int]],
+                       reuse_prefix: list[bool] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Prefill one token list for each of several sequences in as few forward passes as possible
+        (each pass reads the weights once for all of its sequences); returns each list's last-token
+        logits [n, vocab] and how many of its tokens came from the prefix cache. Each sequence gets what `prefill` would give it, prefix-cache reuse
+        included (`reuse_prefix[i]`, default True): a new sequence whose next full block another
+        member of the pack is about to compute waits for the next pass and reuses it, so a shared
+        prefix is computed once. Capacity is checked before anything changes."""
+        reuse = list(reuse_prefix) if reuse_prefix is not None else [True] * len(seq_ids)
+        if not seq_ids or not len(seq_ids) == len(token_lists) == len(reuse):
+            raise ValueError("prefill_packed needs one token list (and reuse flag) per sequence, at least one")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one packed prefill: {seq_ids}")
+        seqs = [self.get(s) for s in seq_ids]
+        lists = [list(t) for t in token_lists]
+        for seq, ids in zip(seqs, lists):
+            if not ids:
+                raise PromptError(f"cannot prefill an empty list of tokens (sequence {seq.seq_id})")
+            self._check_positions(seq, len(ids))
+        self._check_packed_capacity(seqs, lists, reuse)
+        logits: list[torch.Tensor | None] = [None] * len(seqs)
+        reused = [0] * len(seqs)
+        pending = list(range(len(seqs)))
+        while pending:
+            wave, pending = self._next_wave(seqs, lists, reuse, pending)
+            remaining = []
+            for i in wave:
+                reused[i] = self._reuse_prefix(seqs[i], lists[i]) if reuse[i] else 0
+                remaining.append(lists[i][reused[i]:])
+            for i, row in zip(wave, self._forward_chunks([seqs[i] for i in wave], remaining)):
+                logits[i] = row
+        return torch.stack(logits), reused  # [n, vocab]
+
+    def _matched_blocks(self, seq: Sequence, ids: list[int], reuse: bool) -> int:
+        """How many cached blocks an empty sequence would adopt for `ids` (no references taken)."""
+        return len(self.blocks.match_prefix(ids)[0]) if reuse and self.prefix_caching and not len(seq) else 0
+
+    def _next_wave(self, seqs, lists, reuse, pending: list[int]) -> tuple[list[int], list[int]]:
+        """Split `pending` into the members computed in this pass and those that wait, because an
+        earlier member of this pass computes (and caches) the next full block of their prefix."""
         bs = self.layout.block_size
-        start = len(seq)
-        self._grow(seq, len(chunk))
-        stop = start + len(chunk)
-        context = seq.slots(0, stop, bs)  # [stop]
-        batch = AttentionBatch.prefill(context[start:], context, start)
-        ids = torch.tensor(chunk, dtype=torch.long)
-        rows = None if all_logits else torch.tensor([len(chunk) - 1])
-        logits = self.model.forward(ids, torch.arange(start, stop), self.cache, batch, logit_rows=rows)
-        seq.token_ids.extend(chunk)
-        self.blocks.tokens_computed += len(chunk)
-        self._seal_full_blocks(seq)
+        wave, later = [], []
+        for j in pending:
+            m = self._matched_blocks(seqs[j], lists[j], reuse[j])
+            end = (m + 1) * bs  # the end of j's next full, cacheable block
+            waits = reuse[j] and self.prefix_caching and not len(seqs[j]) and len(lists[j]) > end and any(
+                seqs[i].cacheable and (seqs[i].token_ids + lists[i])[:end] == lists[j][:end] for i in wave)
+            (later if waits else wave).append(j)
+        return wave, later
+
+    def _check_packed_capacity(self, seqs, lists, reuse) -> None:
+        bs = self.layout.block_size
+        needed, adopted = 0, set()
+        for seq, ids, r in zip(seqs, lists, reuse):
+            matched = self.blocks.match_prefix(ids)[0] if r and self.prefix_caching and not len(seq) else []
+            adopted.update(matched)
+            if matched:
+                needed += self.blocks.blocks_needed(len(matched) * bs, len(ids) - len(matched) * bs)
+            else:
+                needed += self._blocks_to_grow([seq], len(ids))
+        self.blocks.check_capacity(needed, self.blocks.count_cached_free(list(adopted)))
+
+    def _forward_chunk(self, seq: Sequence, chunk: list[int], all_logits: bool = False) -> torch.Tensor:
+        return self._forward_chunks([seq], [chunk], all_logits)
+
+    def _forward_chunks(self, seqs: list[Sequence], chunks: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """One forward pass over a chunk of each sequence; logits of each chunk's last token [n, vocab]
+        (with `all_logits`, of every token: [sum of chunk lengths, vocab])."""
+        bs = self.layout.block_size
+        parts, positions, offsets = [], [], [0]
+        for seq, chunk in zip(seqs, chunks):
+            start = len(seq)
+            self._grow(seq, len(chunk))
+            stop = start + len(chunk)
+            context = seq.slots(0, stop, bs)  # [stop]
+            parts.append(AttentionBatch.prefill(context[start:], context, start))
+            positions.append(torch.arange(start, stop))
+            offsets.append(offsets[-1] + len(chunk))
+        batch = parts[0] if len(parts) == 1 else PackedBatch(parts, offsets)
+        ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long)  # [T]
+        rows = None if all_logits else torch.tensor(offsets[1:]) - 1
+        logits = self.model.forward(ids, torch.cat(positions), self.cache, batch, logit_rows=rows)
+        for seq, chunk in zip(seqs, chunks):
+            seq.token_ids.extend(chunk)
+            self.blocks.tokens_computed += len(chunk)
+            self._seal_full_blocks(seq)
         return logits  # [rows, vocab]
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from aaflow.engine.sampling import SamplingParams
 from aaflow.errors import WorkflowError
 from aaflow.runtime.kvops import KVDirective, directive, evicted_contexts
+from aaflow.runtime.packing import call_sessions, pack_chunks
 from aaflow.runtime.prompts import AgentInput, Segment, prompt_leaves, reorder_by_completion, static_prefix
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
@@ -130,10 +131,12 @@ class Executor(PrefixSharing, Recovery):
                 self.involved[ref] = [a.node.name for a in decoding]
                 self.last_kind[replica.name] = "step"
             elif queue:
-                kind, method, args, kwargs, then = queue.popleft()
+                item = queue.popleft()
+                kind, method, args, kwargs, then = pack_chunks(item, queue) if item[0] == "chunk" else item
                 ref = getattr(replica.actor, method).remote(*args, **kwargs)
                 self.inflight[ref] = (replica.name, then or (lambda _: None), kind)
-                self.involved[ref] = [a.node.name for a in self.agents.values() if a.sid == (args or [None])[0]]
+                sids = call_sessions(kind, args)
+                self.involved[ref] = [a.node.name for a in self.agents.values() if a.sid in sids]
                 self.last_kind[replica.name] = kind
 
     # --- agent lifecycle -----------------------------------------------------------------
@@ -216,7 +219,7 @@ class Executor(PrefixSharing, Recovery):
         agent.result.prompt_tokens += len(ids)
         sampling = agent.sampling if complete else None
         reuse = agent.strategy != "text"
-        self._call(agent.replica, "prefill", "session_prefill", agent.sid, ids, sampling, reuse,
+        self._call(agent.replica, "chunk", "session_prefill", agent.sid, ids, sampling, reuse,
                    then=lambda out: self._prefilled(agent, out))
 
     def _prefilled(self, agent: _Agent, out: dict) -> None:
