@@ -65,9 +65,11 @@ class Call:
     """A queued replica call. `run` is evaluated when the call starts (the replica's state then
     decides e.g. prefix-cache hits) and returns (seconds, value); `then(value)` runs at its end."""
 
-    kind: str  # open | prefill | transfer | close (the executor's kinds; "step" is launched directly)
+    kind: str  # open | prefill | chunk | transfer | close (the executor's kinds; "step" is launched directly)
     run: Callable[[], tuple[float, object]]
     then: Callable[[object], None] | None = None
+    tokens: int = 0  # a prefill's prompt tokens (packing is capped by their sum)
+    prefix_key: str = ""  # a prefill's agent's prefix (a pack's members may share it)
 
 
 @dataclass

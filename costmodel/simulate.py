@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
+from costmodel.sim_packing import run_pack, take_pack
 from costmodel.sim_state import BLOCK_TOKENS, STRATEGIES, Call, PrefixSharing, ReplicaState, SimAgent, cache_hit_tokens
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["STRATEGIES", "AgentTiming", "SimResult", "simulate"]
 
-COMPUTE_KINDS = ("prefill", "step")  # calls that compete for the machine's cores
+COMPUTE_KINDS = ("prefill", "chunk", "step")  # calls that compete for the machine's cores
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,10 @@ class _Simulation(PrefixSharing):
                 self._start(r, "step", seconds, lambda _, ds=decoding: self._on_step(ds), None)
             elif r.queue:
                 call = r.queue.popleft()
+                if call.kind == "chunk" and len(pack := take_pack(call, r.queue)) > 1:
+                    seconds, values = run_pack(pack, r.cached, self.overhead, r.compute.prefill_fixed_s)
+                    self._start(r, "chunk", seconds, lambda vs, ps=pack: [c.then(v) for c, v in zip(ps, vs)], values)
+                    continue
                 seconds, value = call.run()
                 self._start(r, call.kind, seconds, call.then, value)
 
@@ -215,8 +220,9 @@ class _Simulation(PrefixSharing):
         agent.busy = True
         held = agent.fed
         self._consume(agent, count)
-        self._call(agent.replica, "prefill", lambda: self._prefill_cost(agent, count, held),
-                   then=lambda out: self._prefilled(agent, count, held, complete, out))
+        self.replicas[agent.replica].queue.append(Call(
+            "chunk", lambda: self._prefill_cost(agent, count, held),
+            lambda out: self._prefilled(agent, count, held, complete, out), count, agent.task.prefix_key))
 
     def _prefill_cost(self, agent: SimAgent, count: int, held: int) -> tuple[float, tuple[int, int]]:
         r = self.replicas[agent.replica]
@@ -224,6 +230,8 @@ class _Simulation(PrefixSharing):
         if agent.strategy != "text" and held == 0 and agent.task.prefix_key in r.cached:
             hit = cache_hit_tokens(agent.task.prefix_tokens, count)
         self.computed += count - hit
+        if held == 0 and count >= agent.task.prefix_tokens:  # its blocks are sealed as they are computed
+            r.cached.add(agent.task.prefix_key)
         return self.overhead + r.compute.prefill_time(count - hit, held + hit), (count - hit, hit)
 
     def _prefilled(self, agent: SimAgent, count: int, held: int, complete: bool, out: tuple[int, int]) -> None:
@@ -235,8 +243,6 @@ class _Simulation(PrefixSharing):
         prefix = agent.task.prefix_tokens
         if held == 0:
             agent.prefix_via = agent.prefix_via or ("reuse" if hit else "recompute")
-            if count >= prefix:
-                self.replicas[agent.replica].cached.add(agent.task.prefix_key)
             if agent.strategy != "text":  # its prefix blocks are (or become) shared cache blocks
                 agent.shared_tokens = min(prefix, count) // BLOCK_TOKENS * BLOCK_TOKENS
         if complete:

@@ -81,16 +81,30 @@ def test_chain_stream_hands_off_one_chunk_remainder():
 
 
 def test_fan_out_on_one_replica_decodes_in_batches():
-    # Steps cost 0.1 s whatever the batch: 4 children x 9 steps must cost 12 steps, not 36.
+    # Steps cost 0.1 s whatever the batch: 4 children x 9 steps must cost 9 steps, not 36 (their
+    # prompts run as one packed call, so they start decoding together).
     c = ComputeProfile(0.001, 0.001, 0.0, 0.1, 0.0, 0.0)
     kids = tuple(agent(f"c{i}", "c", 8, "R", out=10) for i in range(4))
     spec = WorkflowSpec("fan", (agent("R", "r", 8, out=4),) + kids)
     r = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
-    expected = c.prefill_time(8) + 3 * 0.1 + 4 * c.prefill_time(8 + 4) + 12 * 0.1
+    packed = 4 * c.prefill_time(8 + 4) - 3 * c.prefill_fixed_s  # the children's prompts: one packed call
+    expected = c.prefill_time(8) + 3 * 0.1 + packed + 9 * 0.1
     assert r.busy_s["s0"] == pytest.approx(expected)
     assert r.makespan_s == pytest.approx(expected)
     ends = sorted(r.agents[k.name].end_s for k in kids)
     assert ends[-1] - ends[0] < 4 * 0.1  # they finish together, not one after another
+
+
+def test_a_pack_sharing_a_prefix_pays_a_second_pass():
+    # Three agents open together on one replica: their prompts run as one packed call, in which the
+    # first computes the shared 64-token prefix and the others reuse it in a second forward pass.
+    c = ComputeProfile(0.01, 0.001, 0.0, 0.1, 0.0, 0.0)
+    spec = WorkflowSpec("siblings", tuple(agent(n, "doc", 64, 4, out=1) for n in "abc"))
+    r = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "recompute"), call_overhead_s=0.0)
+    assert r.prefill_tokens_computed == 68 + 4 + 4
+    assert r.busy_s["s0"] == pytest.approx(2 * 0.01 + 0.001 * 76)  # two passes, not three calls
+    text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
+    assert text.busy_s["s0"] == pytest.approx(0.01 + 0.001 * 3 * 68)  # no reuse: one pass
 
 
 def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:

@@ -1,4 +1,4 @@
-"""Sequences on the paged KV pool: prefill (one pass or chunked), batched decode, fork, export/import.
+"""Sequences on the paged KV pool: prefill (one pass, chunked or packed), batched decode, fork, export/import.
 
 This is the engine's KV protocol; `Engine` adds tokenization and generation on top.
 """
@@ -146,10 +146,12 @@ class KVRunner:
                        reuse_prefix: list[bool] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Prefill one token list for each of several sequences in as few forward passes as possible
         (each pass reads the weights once for all of its sequences); returns each list's last-token
-        logits [n, vocab] and how many of its tokens came from the prefix cache. Each sequence gets what `prefill` would give it, prefix-cache reuse
-        included (`reuse_prefix[i]`, default True): a new sequence whose next full block another
-        member of the pack is about to compute waits for the next pass and reuses it, so a shared
-        prefix is computed once. Capacity is checked before anything changes."""
+        logits [n, vocab] and how many of its tokens came from the prefix cache.
+
+        Each sequence gets what `prefill` would give it, prefix-cache reuse included
+        (`reuse_prefix[i]`, default True): a new sequence whose next full block another member of
+        the pack is about to compute waits for the next pass and then reuses it, so a prefix shared
+        inside the pack is computed once. Capacity is checked before anything changes."""
         reuse = list(reuse_prefix) if reuse_prefix is not None else [True] * len(seq_ids)
         if not seq_ids or not len(seq_ids) == len(token_lists) == len(reuse):
             raise ValueError("prefill_packed needs one token list (and reuse flag) per sequence, at least one")
