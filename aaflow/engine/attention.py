@@ -71,6 +71,17 @@ def paged_attention(
     if isinstance(batch, PackedBatch):
         spans = zip(batch.parts, batch.offsets, batch.offsets[1:])
         return torch.cat([paged_attention(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])
+    qh, kh, vh = write_and_gather(layer, q, k, v, cache, batch)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=batch.mask, is_causal=batch.is_causal, enable_gqa=True
+    )  # [B, H, S, D]
+    return out.transpose(1, 2).reshape(q.shape[0], -1)
+
+
+def write_and_gather(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, batch: AttentionBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # qh [B, H, S, D]; kh, vh [B, Hkv, ctx, D]
+    """Store the new tokens' K/V at their slots and read back each sequence's context."""
     cache.write(layer, batch.write_slots, k, v)
     B, S = batch.batch, batch.q_len
     heads, dim = q.shape[1], q.shape[2]
@@ -84,7 +95,4 @@ def paged_attention(
         ctx = batch.read_slots.shape[1]
         kh = k_cache.index_select(0, flat).view(B, ctx, -1, dim).transpose(1, 2)  # [B, Hkv, ctx, D]
         vh = v_cache.index_select(0, flat).view(B, ctx, -1, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=batch.mask, is_causal=batch.is_causal, enable_gqa=True
-    )  # [B, H, S, D]
-    return out.transpose(1, 2).reshape(B * S, heads * dim)
+    return qh, kh, vh

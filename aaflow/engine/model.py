@@ -6,10 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine.attention import AttentionBatch, PackedBatch, paged_attention
+from aaflow.engine.cascade import CascadeBatch, cascade_attention
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.rope import RotaryTable
 from aaflow.engine.weights import LayerWeights, ModelWeights
+
+
+Batch = AttentionBatch | PackedBatch | CascadeBatch
 
 
 class LlamaModel:
@@ -28,7 +32,7 @@ class LlamaModel:
 
     def _layer(
         self, index: int, w: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache: PagedKVCache, batch: AttentionBatch | PackedBatch,
+        cache: PagedKVCache, batch: Batch,
     ) -> torch.Tensor:  # h: [T, hidden] -> [T, hidden]
         c = self.config
         T = h.shape[0]
@@ -37,7 +41,8 @@ class LlamaModel:
         qk = self.rotary.rotate(qk, *cos_sin)  # q and k heads rotated together: [T, H + Hkv, D]
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].reshape(T, c.num_kv_heads, c.head_dim)
-        attn = paged_attention(index, q, k, v, cache, batch)  # [T, H * D]
+        attend = cascade_attention if isinstance(batch, CascadeBatch) else paged_attention
+        attn = attend(index, q, k, v, cache, batch)  # [T, H * D]
         h = h + w.o(attn)
         gate, up = w.gate_up(self._rms_norm(h, w.post_norm)).chunk(2, dim=-1)  # [T, I] each
         return h + w.down(F.silu(gate) * up)
@@ -45,7 +50,7 @@ class LlamaModel:
     @torch.inference_mode()
     def run_layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-        batch: AttentionBatch | PackedBatch, num_layers: int,
+        batch: Batch, num_layers: int,
     ) -> torch.Tensor:  # input_ids, positions: [T] -> hidden states after `num_layers` layers [T, hidden]
         """Run the first `num_layers` layers, writing the new tokens' K/V of those layers to the cache."""
         h = self.weights.embed[input_ids]  # [T, hidden]
@@ -60,7 +65,7 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         cache: PagedKVCache,
-        batch: AttentionBatch | PackedBatch,
+        batch: Batch,
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to the vocabulary; None = all
     ) -> torch.Tensor:  # float32 logits [R, vocab]
         h = self.run_layers(input_ids, positions, cache, batch, self.config.num_layers)

@@ -11,6 +11,7 @@ import torch
 
 from aaflow.engine.attention import AttentionBatch, PackedBatch
 from aaflow.engine.block_manager import BlockManager, BlockStats
+from aaflow.engine.cascade import CascadeBatch, shared_prefix_blocks
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.sequence import KVExport, Sequence
@@ -213,16 +214,20 @@ class KVRunner:
         """One forward pass over a chunk of each sequence; logits of each chunk's last token [n, vocab]
         (with `all_logits`, of every token: [sum of chunk lengths, vocab])."""
         bs = self.layout.block_size
-        parts, positions, offsets = [], [], [0]
+        starts = [len(seq) for seq in seqs]
         for seq, chunk in zip(seqs, chunks):
-            start = len(seq)
             self._grow(seq, len(chunk))
+        shared = shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs  # tokens every context starts with
+        parts, positions, offsets = [], [], [0]
+        for seq, chunk, start in zip(seqs, chunks, starts):
             stop = start + len(chunk)
             context = seq.slots(0, stop, bs)  # [stop]
-            parts.append(AttentionBatch.prefill(context[start:], context, start))
+            parts.append(AttentionBatch.prefill(context[start:], context[shared:], start - shared))
             positions.append(torch.arange(start, stop))
             offsets.append(offsets[-1] + len(chunk))
         batch = parts[0] if len(parts) == 1 else PackedBatch(parts, offsets)
+        if shared:
+            batch = CascadeBatch(seqs[0].slots(0, shared, bs), batch)
         ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long)  # [T]
         rows = None if all_logits else torch.tensor(offsets[1:]) - 1
         logits = self.model.forward(ids, torch.cat(positions), self.cache, batch, logit_rows=rows)
@@ -248,7 +253,10 @@ class KVRunner:
         contexts = [seq.slots(0, len(seq) + 1, bs) for seq in seqs]
         write = torch.stack([c[-1] for c in contexts])
         positions = torch.tensor([len(seq) for seq in seqs])
-        batch = AttentionBatch.decode(write, contexts)
+        shared = shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
+        batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
+        if shared:
+            batch = CascadeBatch(contexts[0][:shared], batch)
         logits = self.model.forward(torch.tensor(token_ids), positions, self.cache, batch)
         for seq, tok in zip(seqs, token_ids):
             seq.token_ids.append(tok)

@@ -1,0 +1,93 @@
+"""Shared-prefix (cascade) attention for sequences whose contexts begin with the same cached blocks.
+
+Sequences forked from one context, or served the same blocks by the prefix cache, read identical
+K/V for that prefix. Gathering it once and attending to it with every sequence's new queries
+stacked (GQA groups folded into the query axis) turns one small product per sequence into one
+large one; each sequence's own remainder (its private blocks and new tokens) is attended
+separately, and the two partial results merge exactly through their log-sum-exp (a softmax over
+the union of the two key sets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aaflow.engine.attention import AttentionBatch, PackedBatch, write_and_gather
+from aaflow.engine.kv_cache import PagedKVCache
+
+CASCADE_MIN_TOKENS = 256  # a shorter shared prefix is not worth a second attention pass
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
+
+
+@dataclass
+class CascadeBatch:
+    """New tokens of several sequences whose contexts all start with `prefix_slots`; `rest` places
+    the same new tokens over their contexts without that prefix."""
+
+    prefix_slots: torch.Tensor  # [P]
+    rest: AttentionBatch | PackedBatch
+
+
+def shared_prefix_blocks(block_tables: list[list[int]], block_size: int) -> int:
+    """How many leading blocks every table shares (0 unless there are two tables or more and the
+    shared part reaches CASCADE_MIN_TOKENS). A block held by two sequences is never written: new
+    tokens always land after it."""
+    if len(block_tables) < 2:
+        return 0
+    n = 0
+    for blocks in zip(*block_tables):
+        if any(b != blocks[0] for b in blocks):
+            break
+        n += 1
+    return n if n * block_size >= CASCADE_MIN_TOKENS else 0
+
+
+def cascade_attention(
+    layer: int,
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D] (already rotated)
+    v: torch.Tensor,  # [T, Hkv, D]
+    cache: PagedKVCache,
+    batch: CascadeBatch,
+) -> torch.Tensor:  # [T, H * D]
+    T, heads, dim = q.shape
+    rest_out, rest_lse = _attend_with_lse(layer, q, k, v, cache, batch.rest)  # [T, H, D], [T, H]
+    k_cache, v_cache = cache.layer(layer)
+    kp = k_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]  # [1, Hkv, P, D]
+    vp = v_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]
+    kv_heads = kp.shape[1]
+    group = heads // kv_heads
+    qg = q.view(T, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * T, dim)
+    out, lse = _flash(qg, kp, vp)  # [1, Hkv, G * T, D], [1, Hkv, G * T]: every new token sees the whole prefix
+    pre_out = out.view(kv_heads, group, T, dim).permute(2, 0, 1, 3).reshape(T, heads, dim)
+    pre_lse = lse.view(kv_heads, group, T).permute(2, 0, 1).reshape(T, heads)
+    top = torch.maximum(pre_lse, rest_lse)
+    w_pre, w_rest = torch.exp(pre_lse - top)[..., None], torch.exp(rest_lse - top)[..., None]  # [T, H, 1]
+    merged = (pre_out.float() * w_pre + rest_out.float() * w_rest) / (w_pre + w_rest)
+    return merged.to(q.dtype).reshape(T, heads * dim)
+
+
+def _attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch):
+    """Like `paged_attention`, also returning the log-sum-exp of each query's scores: ([T, H, D], [T, H])."""
+    if isinstance(batch, PackedBatch):
+        spans = zip(batch.parts, batch.offsets, batch.offsets[1:])
+        outs, lses = zip(*[_attend_with_lse(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])
+        return torch.cat(outs), torch.cat(lses)
+    qh, kh, vh = write_and_gather(layer, q, k, v, cache, batch)  # [B, H, S, D], [B, Hkv, ctx, D]
+    B, heads, S, dim = qh.shape
+    kv_heads, ctx = kh.shape[1], kh.shape[2]
+    group = heads // kv_heads
+    allowed = batch.mask  # bool [B or 1, 1, S, ctx] or None
+    if batch.is_causal:
+        allowed = torch.ones(S, ctx, dtype=torch.bool).tril()[None, None]
+    mask = None
+    if allowed is not None:  # additive, in the query's dtype, repeated for the folded GQA groups
+        mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, float("-inf")).repeat(1, 1, group, 1)
+    qg = qh.reshape(B, kv_heads, group * S, dim)  # query head h = kv head h // G, as in enable_gqa
+    out, lse = _flash(qg, kh, vh, attn_mask=mask)  # [B, Hkv, G * S, D], [B, Hkv, G * S]
+    out = out.view(B, kv_heads, group, S, dim).permute(0, 3, 1, 2, 4).reshape(B * S, heads, dim)
+    lse = lse.view(B, kv_heads, group, S).permute(0, 3, 1, 2).reshape(B * S, heads)
+    return out, lse
