@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from aaflow.engine.cascade import CASCADE_MIN_TOKENS, shared_prefix_blocks
+from aaflow.engine.cascade import CASCADE_MIN_SAVED_TOKENS, shared_prefix_blocks
 
-CONTEXT = [3 + (i * 7) % 250 for i in range(300)]  # 18 full blocks of 16 + 12: past CASCADE_MIN_TOKENS
+CONTEXT = [3 + (i * 7) % 250 for i in range(300)]  # 18 full blocks of 16 + 12
+FORKS = 8  # 288 shared tokens x 7 other sequences: past CASCADE_MIN_SAVED_TOKENS
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -24,40 +25,43 @@ def _forks(engine, n, tails):
     return seqs
 
 
-def test_shared_prefix_blocks_needs_two_tables_and_a_long_prefix():
-    assert shared_prefix_blocks([[1, 2, 3] * 10], 16) == 0
-    assert shared_prefix_blocks([list(range(20)), list(range(20))], 16) == 20
-    assert shared_prefix_blocks([list(range(20)), list(range(10)) + [99] * 10], 16) == 0  # 160 tokens: too short
-    assert CASCADE_MIN_TOKENS <= 18 * 16
-    assert shared_prefix_blocks([list(range(20)), list(range(18)) + [98, 99]], 16) == 18
+def test_shared_prefix_blocks_needs_enough_saved_prefix_reads():
+    assert CASCADE_MIN_SAVED_TOKENS <= 18 * 16 * (FORKS - 1)
+    assert shared_prefix_blocks([list(range(20))], 16) == 0  # one sequence saves nothing
+    assert shared_prefix_blocks([list(range(100))] * 2, 16) == 100  # 1,600 tokens saved once
+    assert shared_prefix_blocks([list(range(20))] * 4, 16) == 0  # 320 x 3: too little to pay off
+    tables = [list(range(18)) + [90 + i] for i in range(FORKS)]
+    assert shared_prefix_blocks(tables, 16) == 18
 
 
 def test_decoding_forks_of_one_context_equals_decoding_each_alone(make_engine, tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, num_blocks=96, dtype="float32")
-    tails = [[5], [6, 7, 8], list(range(40, 60))]  # different lengths: padded suffixes
-    seqs = _forks(engine, 3, tails)
+    engine = make_engine(tiny_llama_dir, num_blocks=128, dtype="float32")
+    tails = [[5 + i] * (1 + 5 * i) for i in range(FORKS)]  # different lengths: padded suffixes
+    seqs = _forks(engine, FORKS, tails)
     tables = [engine.runner.get(s).block_table for s in seqs]
     assert shared_prefix_blocks(tables, 16) == 18  # the cascade path is taken
-    together = engine.decode(seqs, [9, 10, 11])  # [3, vocab]
+    tokens = list(range(9, 9 + FORKS))
+    together = engine.decode(seqs, tokens)  # [FORKS, vocab]
     for s in seqs:
         engine.free(s)
     for i, tail in enumerate(tails):
         s = engine.new_sequence()
         engine.prefill(s, CONTEXT + tail, reuse_prefix=False)
-        alone = engine.decode([s], [9 + i])[0]
+        alone = engine.decode([s], [tokens[i]])[0]
         engine.free(s)
         assert rel_err(together[i], alone) <= 1e-5, f"sequence {i}"
 
 
 def test_packed_prefill_of_forks_equals_prefilling_each_alone(make_engine, tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, num_blocks=96, dtype="float32")
-    seqs = _forks(engine, 3, [[5], [6, 7], [8] * 20])
-    segments = [list(range(100, 117)), [4], list(range(60, 90))]
+    engine = make_engine(tiny_llama_dir, num_blocks=128, dtype="float32")
+    tails = [[5 + i] * (1 + 3 * i) for i in range(FORKS)]
+    seqs = _forks(engine, FORKS, tails)
+    segments = [list(range(100 + i, 101 + i + 4 * i)) for i in range(FORKS)]  # 1 to 29 tokens
     logits, _ = engine.prefill_packed(seqs, segments)
     kv = [engine.export_kv(s).kv for s in seqs]
     for s in seqs:
         engine.free(s)
-    for i, (tail, seg) in enumerate(zip([[5], [6, 7], [8] * 20], segments)):
+    for i, (tail, seg) in enumerate(zip(tails, segments)):
         s = engine.new_sequence()
         alone = engine.prefill(s, CONTEXT + tail + seg, reuse_prefix=False)
         ref_kv = engine.export_kv(s).kv
