@@ -10,8 +10,8 @@ from costmodel.sim_state import Call
 
 
 def take_pack(first: Call, queue: deque) -> list[Call]:
-    """`first` (an agent's prefill, kind "chunk", just taken from `queue`) and the queue's other ones, up to
-    PACK_MAX_TOKENS prompt tokens; the rest of the queue keeps its order."""
+    """`first` (an agent's prefill, kind "chunk", just taken from `queue`) and the queue's other
+    ones, up to PACK_MAX_TOKENS prompt tokens; the rest of the queue keeps its order."""
     taken, total, rest = [first], first.tokens, deque()
     while queue:
         call = queue.popleft()
