@@ -55,13 +55,17 @@ print("VLLM_RESULT " + json.dumps(result), flush=True)
 
 
 def agent_specs(workflows: dict) -> dict[str, list[dict]]:
-    """{workflow name: [{"name", "max_tokens", "prompt": [str | {"ref": agent}]}]}, contexts inlined."""
-    from aaflow.workflow.graph import ContextNode
+    """{workflow name: [{"name", "max_tokens", "prompt": [str | {"ref": agent}]}]}, contexts inlined,
+    every agent after the agents it reads (the graph's topological order)."""
+    from aaflow.workflow.graph import AgentNode, ContextNode
 
-    return {name: [{"name": a.name, "max_tokens": a.max_tokens,
-                    "prompt": [p if isinstance(p, str) else wf.nodes[p.name].text
-                               if isinstance(wf.nodes[p.name], ContextNode) else {"ref": p.name} for p in a.prompt]}
-                   for a in wf.agents()] for name, wf in workflows.items()}
+    def spec(wf, a: AgentNode) -> dict:
+        return {"name": a.name, "max_tokens": a.max_tokens,
+                "prompt": [p if isinstance(p, str) else wf.nodes[p.name].text
+                           if isinstance(wf.nodes[p.name], ContextNode) else {"ref": p.name} for p in a.prompt]}
+
+    return {name: [spec(wf, wf.nodes[n]) for n in wf.topological_order() if isinstance(wf.nodes[n], AgentNode)]
+            for name, wf in workflows.items()}
 
 
 def vllm_workflows(workflows: dict, repeats: int, timeout_s: float) -> dict:
@@ -94,7 +98,7 @@ def transformers_workflows(workflows: dict, repeats: int, dtype: str = "bfloat16
 
     def run(agents: list[dict]) -> float:
         out, t0 = {}, time.perf_counter()
-        for agent in _dependency_order(agents):
+        for agent in agents:  # dependency order
             prompt = "\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
             ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, n]
             with torch.inference_mode():
@@ -109,16 +113,3 @@ def transformers_workflows(workflows: dict, repeats: int, dtype: str = "bfloat16
         result[name] = {"wall_s": statistics.median(samples), "samples_s": samples}
     return result
 
-
-def _dependency_order(agents: list[dict]) -> list[dict]:
-    done: set[str] = set()
-    order = []
-    while len(order) < len(agents):
-        before = len(order)
-        for agent in agents:
-            if agent["name"] not in done and all(p["ref"] in done for p in agent["prompt"] if isinstance(p, dict)):
-                order.append(agent)
-                done.add(agent["name"])
-        if len(order) == before:
-            raise ValueError(f"agents {[a['name'] for a in agents if a['name'] not in done]} wait on each other")
-    return order
