@@ -38,6 +38,8 @@ def shared_prefix_blocks(block_tables: list[list[int]], block_size: int) -> int:
     """How many leading blocks every table shares; 0 when sharing them saves fewer than
     CASCADE_MIN_SAVED_TOKENS prefix reads. A block held by two sequences is never written: new
     tokens always land after it."""
+    if len(block_tables) < 2:  # one sequence saves nothing (and decode of one takes this path every step)
+        return 0
     n = 0
     for blocks in zip(*block_tables):
         if any(b != blocks[0] for b in blocks):

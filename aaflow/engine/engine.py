@@ -110,7 +110,8 @@ class Engine(PromptText):
     def prefill_packed(self, seq_ids: list[int], token_lists: list[list[int]],
                        reuse_prefix: list[bool] | None = None) -> tuple[torch.Tensor, list[int]]:
         """Prefill several sequences together (one forward pass where their prefixes allow): the logits
-        of each list's last token [n, vocab] and the tokens each reused from the prefix cache. Equal to one `prefill` per sequence, in order."""
+        of each list's last token [n, vocab] and the tokens each reused from the prefix cache.
+        Equal to one `prefill` per sequence, in order."""
         return self.runner.prefill_packed(seq_ids, token_lists, reuse_prefix)
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:

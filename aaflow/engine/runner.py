@@ -178,9 +178,9 @@ class KVRunner:
                 logits[i] = row
         return torch.stack(logits), reused  # [n, vocab]
 
-    def _matched_blocks(self, seq: Sequence, ids: list[int], reuse: bool) -> int:
-        """How many cached blocks an empty sequence would adopt for `ids` (no references taken)."""
-        return len(self.blocks.match_prefix(ids)[0]) if reuse and self.prefix_caching and not len(seq) else 0
+    def _looks_up_prefix(self, seq: Sequence, reuse: bool) -> bool:
+        """Whether prefilling `seq` starts with a prefix-cache lookup (as `_reuse_prefix` does)."""
+        return reuse and self.prefix_caching and not len(seq)
 
     def _next_wave(self, seqs, lists, reuse, pending: list[int]) -> tuple[list[int], list[int]]:
         """Split `pending` into the members computed in this pass and those that wait, because an
@@ -188,10 +188,11 @@ class KVRunner:
         bs = self.layout.block_size
         wave, later = [], []
         for j in pending:
-            m = self._matched_blocks(seqs[j], lists[j], reuse[j])
-            end = (m + 1) * bs  # the end of j's next full, cacheable block
-            waits = reuse[j] and self.prefix_caching and not len(seqs[j]) and len(lists[j]) > end and any(
-                seqs[i].cacheable and (seqs[i].token_ids + lists[i])[:end] == lists[j][:end] for i in wave)
+            waits = False
+            if self._looks_up_prefix(seqs[j], reuse[j]):
+                end = (len(self.blocks.match_prefix(lists[j])[0]) + 1) * bs  # end of j's next full block
+                waits = len(lists[j]) > end and any(
+                    seqs[i].cacheable and (seqs[i].token_ids + lists[i])[:end] == lists[j][:end] for i in wave)
             (later if waits else wave).append(j)
         return wave, later
 
@@ -199,7 +200,7 @@ class KVRunner:
         bs = self.layout.block_size
         needed, adopted = 0, set()
         for seq, ids, r in zip(seqs, lists, reuse):
-            matched = self.blocks.match_prefix(ids)[0] if r and self.prefix_caching and not len(seq) else []
+            matched = self.blocks.match_prefix(ids)[0] if self._looks_up_prefix(seq, r) else []
             adopted.update(matched)
             if matched:
                 needed += self.blocks.blocks_needed(len(matched) * bs, len(ids) - len(matched) * bs)
