@@ -11,13 +11,16 @@ from costmodel.sim_state import Call
 
 def take_pack(first: Call, queue: deque) -> list[Call]:
     """`first` (an agent's prefill, kind "chunk", just taken from `queue`) and the queue's other
-    ones, up to PACK_MAX_TOKENS prompt tokens; the rest of the queue keeps its order."""
-    taken, total, rest = [first], first.tokens, deque()
+    ones while they add at most PACK_MAX_TOKENS tokens to compute (a first prefill computes only
+    what the first taken one of its prefix does not share); the rest of the queue keeps its order."""
+    taken, total, rest = [first], 0, deque()
     while queue:
         call = queue.popleft()
-        if call.kind == "chunk" and total + call.tokens <= PACK_MAX_TOKENS:
+        led = call.shares and any(t.shares and t.prefix_key == call.prefix_key for t in taken)
+        cost = call.tokens - (call.shares if led else 0)
+        if call.kind == "chunk" and total + cost <= PACK_MAX_TOKENS:
             taken.append(call)
-            total += call.tokens
+            total += cost
         else:
             rest.append(call)
     queue.extend(rest)

@@ -70,6 +70,7 @@ class Call:
     then: Callable[[object], None] | None = None
     tokens: int = 0  # a prefill's prompt tokens (packing is capped by their sum)
     prefix_key: str = ""  # a prefill's agent's prefix (a pack's members may share it)
+    shares: int = 0  # prompt tokens of a session's first prefill that other first prefills of its prefix share
 
 
 @dataclass

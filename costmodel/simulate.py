@@ -220,9 +220,10 @@ class _Simulation(PrefixSharing):
         agent.busy = True
         held = agent.fed
         self._consume(agent, count)
+        shares = min(agent.task.prefix_tokens, count) if held == 0 and agent.strategy != "text" else 0
         self.replicas[agent.replica].queue.append(Call(
             "chunk", lambda: self._prefill_cost(agent, count, held),
-            lambda out: self._prefilled(agent, count, held, complete, out), count, agent.task.prefix_key))
+            lambda out: self._prefilled(agent, count, held, complete, out), count, agent.task.prefix_key, shares))
 
     def _prefill_cost(self, agent: SimAgent, count: int, held: int) -> tuple[float, tuple[int, int]]:
         r = self.replicas[agent.replica]

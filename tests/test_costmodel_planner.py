@@ -107,6 +107,19 @@ def test_a_pack_sharing_a_prefix_pays_a_second_pass():
     assert text.busy_s["s0"] == pytest.approx(0.01 + 0.001 * 3 * 68)  # no reuse: one pass
 
 
+def test_first_prompts_on_one_shared_prefix_pack_beyond_the_token_cap():
+    # Twenty prompts of 1,004 tokens, 1,000 of them shared: the pack counts what each adds to compute
+    # (4 tokens after the first), so all go in one call of two passes; without reuse, two per call.
+    c = ComputeProfile(0.01, 0.001, 0.0, 0.1, 0.0, 0.0)
+    spec = WorkflowSpec("siblings", tuple(agent(f"a{i}", "doc", 1000, 4, out=1) for i in range(20)))
+    r = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "recompute"), call_overhead_s=0.0)
+    computed = 1004 + 19 * (1004 - 992)  # 62 full blocks of 16 shared; the partial one is not
+    assert r.prefill_tokens_computed == computed
+    assert r.busy_s["s0"] == pytest.approx(2 * 0.01 + 0.001 * computed)  # one call, two passes
+    text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
+    assert text.busy_s["s0"] == pytest.approx(10 * 0.01 + 0.001 * 20 * 1004)
+
+
 def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:
     reviewers = tuple(agent(f"r{i}", "paper", prefix_tokens, 20, out=64) for i in range(3))
     meta = agent("meta", "paper", prefix_tokens, "r0", 5, "r1", 5, "r2", 20, out=64)

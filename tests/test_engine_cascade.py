@@ -3,6 +3,7 @@ with the same results as attending sequence by sequence."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from aaflow.engine.cascade import CASCADE_MIN_SAVED_TOKENS, shared_prefix_blocks
@@ -52,11 +53,13 @@ def test_decoding_forks_of_one_context_equals_decoding_each_alone(make_engine, t
         assert rel_err(together[i], alone) <= 1e-5, f"sequence {i}"
 
 
-def test_packed_prefill_of_forks_equals_prefilling_each_alone(make_engine, tiny_llama_dir):
+@pytest.mark.parametrize("lengths", ["different", "equal"])  # equal: one batched attention call
+def test_packed_prefill_of_forks_equals_prefilling_each_alone(make_engine, tiny_llama_dir, lengths):
     engine = make_engine(tiny_llama_dir, num_blocks=128, dtype="float32")
     tails = [[5 + i] * (1 + 3 * i) for i in range(FORKS)]
     seqs = _forks(engine, FORKS, tails)
-    segments = [list(range(100 + i, 101 + i + 4 * i)) for i in range(FORKS)]  # 1 to 29 tokens
+    sizes = [1 + 4 * i if lengths == "different" else 16 for i in range(FORKS)]  # 1 to 29 tokens, or 16 each
+    segments = [list(range(100 + i, 100 + i + n)) for i, n in enumerate(sizes)]
     logits, _ = engine.prefill_packed(seqs, segments)
     kv = [engine.export_kv(s).kv for s in seqs]
     for s in seqs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aaflow.engine.attention import AttentionBatch, PackedBatch, prefill_parts
 from aaflow.errors import KVCapacityError, PromptError
 
 SHARED = list(range(3, 3 + 64))  # four full blocks of 16
@@ -32,6 +33,34 @@ def test_packed_prefill_equals_one_prefill_each(make_engine, tiny_llama_dir):
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
     for a, p in zip(alone, packed):
         assert engine.sequence_tokens(a) == engine.sequence_tokens(p)
+        assert torch.allclose(_kv(engine, a), _kv(engine, p), atol=1e-5, rtol=1e-5)
+    for s in alone + packed:
+        engine.free(s)
+
+
+def test_continuing_chunks_of_one_length_attend_as_one_batch(make_engine, tiny_llama_dir):
+    chunks = [(torch.arange(10 * b + 5, 10 * b + 8), torch.arange(10 * b, 10 * b + 3 + b), 0 + b)
+              for b in range(3)]  # (write slots, context slots, start)
+    merged = prefill_parts([(w, c, b + 1) for b, (w, c, _) in enumerate(chunks)])
+    assert isinstance(merged, AttentionBatch) and (merged.batch, merged.q_len) == (3, 3)
+    assert isinstance(prefill_parts([chunks[0], chunks[1]]), PackedBatch)  # a fresh chunk stays alone
+
+    engine = make_engine(tiny_llama_dir, num_blocks=64, prefix_caching=False)
+    histories = [list(range(40, 40 + n)) for n in (5, 23, 40, 17)]  # different context lengths
+    segments = [list(range(100 + 8 * i, 108 + 8 * i)) for i in range(4)]  # 8 tokens each
+
+    def fresh():
+        seqs = [engine.new_sequence() for _ in histories]
+        for s, h in zip(seqs, histories):
+            engine.prefill(s, h)
+        return seqs
+
+    alone = fresh()
+    ref_logits = torch.stack([engine.prefill(s, ids) for s, ids in zip(alone, segments)])  # [4, vocab]
+    packed = fresh()
+    logits, _ = engine.prefill_packed(packed, segments)
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for a, p in zip(alone, packed):
         assert torch.allclose(_kv(engine, a), _kv(engine, p), atol=1e-5, rtol=1e-5)
     for s in alone + packed:
         engine.free(s)
@@ -74,6 +103,21 @@ def test_packed_prefill_checks_capacity_before_changing_anything(make_engine, ti
     assert len(engine.sequence_tokens(seqs[0])) == 27 and engine.sequence_tokens(seqs[1]) == []
     assert engine.stats().used == 2
     for s in seqs:
+        engine.free(s)
+
+
+def test_capacity_counts_a_prefix_shared_inside_the_pack_once(make_engine, tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_blocks=12)
+    prompts = [SHARED + [200 + i] * 3 for i in range(6)]  # 4 shared blocks + 1 own block each
+    seqs = [engine.new_sequence() for _ in prompts]
+    _, reused = engine.prefill_packed(seqs, prompts)  # needs 4 + 6 = 10 blocks, not 6 x 5 = 30
+    assert reused == [0] + [64] * 5
+    assert engine.stats().used == 10
+    late = engine.new_sequence()
+    with pytest.raises(KVCapacityError):  # 2 free blocks: a fresh 5-block prompt does not fit
+        engine.prefill_packed([late, seqs[0]], [list(range(300, 369)), [9]])
+    assert engine.sequence_tokens(late) == [] and engine.stats().used == 10
+    for s in seqs + [late]:
         engine.free(s)
 
 

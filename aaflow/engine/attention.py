@@ -37,6 +37,20 @@ class AttentionBatch:
         return cls(1, q_len, write_slots, context_slots[None, :], mask[None, None], False)
 
     @classmethod
+    def prefill_batch(cls, write_slots: list[torch.Tensor], contexts: list[torch.Tensor],
+                      starts: list[int]) -> "AttentionBatch":
+        """Several sequences' chunks of one length S, each continuing its context: chunk b's tokens
+        sit at positions [starts[b], starts[b] + S) over context slots contexts[b] ([starts[b] + S])."""
+        q_len = write_slots[0].numel()
+        ctx = max(c.numel() for c in contexts)
+        padded = torch.zeros(len(contexts), ctx, dtype=torch.long)  # pad with slot 0 (masked out)
+        for b, slots in enumerate(contexts):
+            padded[b, : slots.numel()] = slots
+        last_key = torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]  # [B, S]: query i sees keys <= it
+        mask = torch.arange(ctx)[None, None, :] <= last_key[:, :, None]  # [B, S, ctx]; padding lies beyond
+        return cls(len(contexts), q_len, torch.cat(write_slots), padded, mask[:, None], False)
+
+    @classmethod
     def decode(cls, write_slots: torch.Tensor, context_slots: list[torch.Tensor]) -> "AttentionBatch":
         """One new token per sequence; context_slots[b]: [len_b] including the new token."""
         lengths = torch.tensor([c.numel() for c in context_slots])
@@ -58,6 +72,24 @@ class PackedBatch:
 
     parts: list[AttentionBatch]
     offsets: list[int]  # [len(parts) + 1]
+
+
+def prefill_parts(chunks: list[tuple[torch.Tensor, torch.Tensor, int]]) -> AttentionBatch | PackedBatch:
+    """The attention batch of a packed prefill. `chunks[i]` = (write slots [S_i], context slots
+    [start_i + S_i], start_i) of one sequence's new tokens, in token order. Consecutive chunks of one
+    length that continue a context attend in one batched call; the others one by one."""
+    parts, offsets, i = [], [0], 0
+    while i < len(chunks):
+        j = i + 1
+        if chunks[i][2] > 0:
+            while j < len(chunks) and chunks[j][2] > 0 and chunks[j][0].numel() == chunks[i][0].numel():
+                j += 1
+        run = chunks[i:j]
+        parts.append(AttentionBatch.prefill(*run[0]) if len(run) == 1 else
+                     AttentionBatch.prefill_batch(*(list(x) for x in zip(*run))))
+        offsets.append(offsets[-1] + sum(c[0].numel() for c in run))
+        i = j
+    return parts[0] if len(parts) == 1 else PackedBatch(parts, offsets)
 
 
 def paged_attention(

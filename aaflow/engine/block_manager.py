@@ -21,6 +21,15 @@ def chain_hash(prev_hash: int, block_tokens: tuple[int, ...]) -> int:
     return hash((prev_hash, block_tokens))
 
 
+def full_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chain hashes of the full blocks of a sequence holding `token_ids` (as `seal` registers them)."""
+    hashes, h = [], NO_HASH
+    for i in range(len(token_ids) // block_size):
+        h = chain_hash(h, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        hashes.append(h)
+    return hashes
+
+
 @dataclass
 class BlockStats:
     """Pool occupancy and prefix-cache effect."""

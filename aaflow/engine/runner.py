@@ -9,8 +9,8 @@ import itertools
 
 import torch
 
-from aaflow.engine.attention import AttentionBatch, PackedBatch
-from aaflow.engine.block_manager import BlockManager, BlockStats
+from aaflow.engine.attention import AttentionBatch, prefill_parts
+from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
 from aaflow.engine.cascade import CascadeBatch, shared_prefix_blocks
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
@@ -197,15 +197,23 @@ class KVRunner:
         return wave, later
 
     def _check_packed_capacity(self, seqs, lists, reuse) -> None:
+        """Blocks the pack needs, counting a prefix block as needed once: whether the cache holds it
+        or an earlier new member of the pack computes (and seals) it, as `_next_wave` arranges."""
         bs = self.layout.block_size
-        needed, adopted = 0, set()
+        needed, adopted, planned = 0, set(), set()  # planned: chain hashes earlier members will seal
         for seq, ids, r in zip(seqs, lists, reuse):
-            matched = self.blocks.match_prefix(ids)[0] if self._looks_up_prefix(seq, r) else []
-            adopted.update(matched)
-            if matched:
-                needed += self.blocks.blocks_needed(len(matched) * bs, len(ids) - len(matched) * bs)
-            else:
+            if not self._looks_up_prefix(seq, r):
                 needed += self._blocks_to_grow([seq], len(ids))
+                continue
+            matched = self.blocks.match_prefix(ids)[0]
+            adopted.update(matched)
+            hashes = full_block_hashes(ids, bs)
+            shared = len(matched)
+            while shared < (len(ids) - 1) // bs and hashes[shared] in planned:
+                shared += 1
+            needed += self.blocks.blocks_needed(shared * bs, len(ids) - shared * bs)
+            if seq.cacheable:
+                planned.update(hashes)
         self.blocks.check_capacity(needed, self.blocks.count_cached_free(list(adopted)))
 
     def _forward_chunk(self, seq: Sequence, chunk: list[int], all_logits: bool = False) -> torch.Tensor:
@@ -219,18 +227,17 @@ class KVRunner:
         for seq, chunk in zip(seqs, chunks):
             self._grow(seq, len(chunk))
         shared = shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs  # tokens every context starts with
-        parts, positions, offsets = [], [], [0]
+        parts, positions = [], []
         for seq, chunk, start in zip(seqs, chunks, starts):
             stop = start + len(chunk)
             context = seq.slots(0, stop, bs)  # [stop]
-            parts.append(AttentionBatch.prefill(context[start:], context[shared:], start - shared))
+            parts.append((context[start:], context[shared:], start - shared))
             positions.append(torch.arange(start, stop))
-            offsets.append(offsets[-1] + len(chunk))
-        batch = parts[0] if len(parts) == 1 else PackedBatch(parts, offsets)
+        batch = prefill_parts(parts)
         if shared:
             batch = CascadeBatch(seqs[0].slots(0, shared, bs), batch)
         ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long)  # [T]
-        rows = None if all_logits else torch.tensor(offsets[1:]) - 1
+        rows = None if all_logits else torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
         logits = self.model.forward(ids, torch.cat(positions), self.cache, batch, logit_rows=rows)
         for seq, chunk in zip(seqs, chunks):
             seq.token_ids.extend(chunk)

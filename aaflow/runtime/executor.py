@@ -51,6 +51,7 @@ class _Agent:
     offset: int = 0
     output: list[int] = field(default_factory=list)  # generated ids without end-of-sequence
     busy: bool = False  # a prefill of this agent is queued or running
+    fresh: bool = False  # ... and it is the first of its session (nothing before it in the KV)
 
     @property
     def prefix_key(self) -> tuple[str, tuple[int, ...]]:
@@ -132,7 +133,10 @@ class Executor(PrefixSharing, Recovery):
                 self.last_kind[replica.name] = "step"
             elif queue:
                 item = queue.popleft()
-                kind, method, args, kwargs, then = pack_chunks(item, queue) if item[0] == "chunk" else item
+                if item[0] == "chunk":
+                    fresh = {a.sid for a in self.agents.values() if a.busy and a.fresh}
+                    item = pack_chunks(item, queue, fresh)
+                kind, method, args, kwargs, then = item
                 ref = getattr(replica.actor, method).remote(*args, **kwargs)
                 self.inflight[ref] = (replica.name, then or (lambda _: None), kind)
                 sids = call_sessions(kind, args)
@@ -213,7 +217,7 @@ class Executor(PrefixSharing, Recovery):
         ids, complete, streamed = self._feedable(agent)
         if not complete and (not ids or (agent.fed > 0 and len(ids) < self.chunk_tokens)):
             return  # wait for a full chunk (the static part goes at once)
-        agent.busy = True
+        agent.busy, agent.fresh = True, agent.fed == 0
         self._consume(agent, len(ids))
         agent.result.streamed_tokens += streamed
         agent.result.prompt_tokens += len(ids)

@@ -10,21 +10,29 @@ from __future__ import annotations
 
 from collections import deque
 
-PACK_MAX_TOKENS = 1024  # a packed call stays short, so that decode steps keep interleaving
+PACK_MAX_TOKENS = 1024  # tokens a pack adds to its first request's call: it stays short, so decode steps interleave
 
 
-def pack_chunks(first: tuple, queue: deque) -> tuple:
+def pack_chunks(first: tuple, queue: deque, fresh: set[str]) -> tuple:
     """`first` is a queued ("chunk", "session_prefill", args, {}, then) item just taken from
-    `queue`; take the other chunk items of the queue too (up to PACK_MAX_TOKENS tokens) and return
-    one ("chunks", "session_prefill_many", (requests,), {}, then) item whose callback answers each."""
-    taken, total, rest = [first], len(first[2][1]), deque()
+    `queue`; take the other chunk items of the queue too (while they add at most PACK_MAX_TOKENS
+    tokens to compute) and return one ("chunks", "session_prefill_many", (requests,), {}, then) item whose callback
+    answers each. `fresh` names the sessions whose request is their first: such a request that
+    reuses the prefix cache computes only what an earlier fresh member does not (the engine
+    computes a prefix shared inside a pack once), so many agents' prompts on one shared system
+    prompt go in one call."""
+    taken, rest, leaders, total = [first], deque(), {}, 0
+    _tokens_to_compute(first, leaders, fresh)  # it may lead
     while queue:
         item = queue.popleft()
-        if item[0] == "chunk" and total + len(item[2][1]) <= PACK_MAX_TOKENS:
+        cost = _tokens_to_compute(item, leaders, fresh) if item[0] == "chunk" else None
+        if cost is not None and total + cost <= PACK_MAX_TOKENS:
             taken.append(item)
-            total += len(item[2][1])
+            total += cost
         else:
             rest.append(item)
+            if cost is not None:
+                _forget(item, leaders)
     queue.extend(rest)
     if len(taken) == 1:
         return first
@@ -36,6 +44,33 @@ def pack_chunks(first: tuple, queue: deque) -> tuple:
             then(out)
 
     return "chunks", "session_prefill_many", (requests,), {}, answer_each
+
+
+LEADER_KEY_TOKENS = 64  # fresh requests are compared with the first one starting with the same tokens
+
+
+def _tokens_to_compute(item: tuple, leaders: dict, fresh: set[str]) -> int:
+    """The request's tokens minus what it shares with the first fresh request of the pack that
+    starts like it (`leaders`, updated here)."""
+    sid, ids, _, reuse = item[2]
+    if not (reuse and sid in fresh):
+        return len(ids)
+    leader = leaders.setdefault(tuple(ids[:LEADER_KEY_TOKENS]), ids)
+    if leader is ids:
+        return len(ids)
+    shared = 0
+    for x, y in zip(ids, leader):
+        if x != y:
+            break
+        shared += 1
+    return len(ids) - shared
+
+
+def _forget(item: tuple, leaders: dict) -> None:
+    """A request left out of the pack cannot lead it."""
+    key = tuple(item[2][1][:LEADER_KEY_TOKENS])
+    if leaders.get(key) is item[2][1]:
+        del leaders[key]
 
 
 def call_sessions(kind: str, args: tuple) -> set:
