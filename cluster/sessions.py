@@ -78,6 +78,26 @@ class SequenceSessions:
             tokens.append(token)
         return tokens
 
+    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
+        """`session_step(sids)` and `session_prefill_many(requests)` in one forward pass, so the
+        weights are read once for both (each decoding session's last token is a 1-token chunk)."""
+        self._maybe_fail("step")
+        decoding = [self._sessions()[sid] for sid in sids]
+        sessions = [self._sessions()[r[0]] for r in requests]
+        t0 = time.perf_counter()
+        logits, reused = self.engine.prefill_packed(
+            [s.seq_id for s in decoding + sessions], [[s.generated[-1]] for s in decoding] + [list(r[1]) for r in requests],
+            [False] * len(decoding) + [bool(r[3]) for r in requests])  # [len(sids) + len(requests), vocab]
+        seconds = time.perf_counter() - t0
+        tokens = []
+        for s, row in zip(decoding, logits):
+            tokens.append(s.sampler(row[None])[0])
+            s.generated.append(tokens[-1])
+        rows = zip(sessions, requests, reused[len(decoding):], logits[len(decoding):])
+        outs = [self._maybe_first_token(s, r[2], row, {"computed": len(r[1]) - n, "reused": n, "seconds": seconds})
+                for s, r, n, row in rows]
+        return tokens, outs
+
     def session_close(self, sid: str) -> None:
         """End a session and free its blocks; closing an unknown or closed session does nothing."""
         s = self._sessions().pop(sid, None)

@@ -276,6 +276,10 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
             raise VLLMUnsupportedError(f"sessions {sids} on {self.name}: step before the final prefill")
         return [int(o["token"]) for o in self.engine.next_tokens([s.rid for s in sessions])]
 
+    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
+        """`session_step`, then `session_prefill_many` (vLLM schedules its own batches)."""
+        return self.session_step(sids), self.session_prefill_many(requests)
+
     def session_close(self, sid: str) -> None:
         """End a session: its vLLM request is aborted (blocks go back, full ones stay cached)."""
         s = self._sessions.pop(sid, None)

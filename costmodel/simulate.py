@@ -130,8 +130,14 @@ class _Simulation(PrefixSharing):
             if r.name in self.inflight:
                 continue
             decoding = [a for a in r.placed if a.state == "decoding"]
-            if decoding and (not r.queue or r.last_kind != "step"):
-                context = sum(a.kv_tokens for a in decoding) / len(decoding)
+            context = sum(a.kv_tokens for a in decoding) / max(1, len(decoding))
+            if decoding and r.queue and r.queue[0].kind == "chunk":  # decode and prefill in one pass
+                pack = take_pack(r.queue.popleft(), r.queue)
+                pack_s, values = run_pack(pack, r.cached, self.overhead, r.compute.prefill_fixed_s)
+                seconds = r.compute.decode_step_time(len(decoding), context) + pack_s - r.compute.prefill_fixed_s
+                self._start(r, "step", seconds, lambda vs, ds=decoding, ps=pack: (
+                    self._on_step(ds), [c.then(v) for c, v in zip(ps, vs)]), values)
+            elif decoding and (not r.queue or r.last_kind != "step"):
                 seconds = self.overhead + r.compute.decode_step_time(len(decoding), context)
                 self._start(r, "step", seconds, lambda _, ds=decoding: self._on_step(ds), None)
             elif r.queue:

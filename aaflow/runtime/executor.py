@@ -125,23 +125,35 @@ class Executor(PrefixSharing, Recovery):
                 continue
             decoding = [a for a in self.agents.values() if a.replica is replica and a.state == "decoding"]
             queue = self.queues[replica.name]
-            if decoding and (not queue or self.last_kind.get(replica.name) != "step"):
+            if decoding and queue and queue[0][0] == "chunk":  # decode and prefill in one pass
+                _, _, (requests,), _, answer = self._pack(queue, always=True)
+                sids = [a.sid for a in decoding]
+                ref = replica.actor.session_step_mixed.remote(sids, requests)
+                self.inflight[ref] = (replica.name, lambda out, ds=decoding, answer=answer: (
+                    self._on_step(ds, out[0]), answer(out[1])), "step")
+                self.involved[ref] = [a.node.name for a in decoding] + [
+                    a.node.name for a in self.agents.values() if a.sid in call_sessions("chunks", (requests,))]
+                self.last_kind[replica.name] = "step"
+            elif decoding and (not queue or self.last_kind.get(replica.name) != "step"):
                 sids = [a.sid for a in decoding]
                 ref = replica.actor.session_step.remote(sids)
                 self.inflight[ref] = (replica.name, lambda toks, ds=decoding: self._on_step(ds, toks), "step")
                 self.involved[ref] = [a.node.name for a in decoding]
                 self.last_kind[replica.name] = "step"
             elif queue:
-                item = queue.popleft()
-                if item[0] == "chunk":
-                    fresh = {a.sid for a in self.agents.values() if a.busy and a.fresh}
-                    item = pack_chunks(item, queue, fresh)
+                item = self._pack(queue) if queue[0][0] == "chunk" else queue.popleft()
                 kind, method, args, kwargs, then = item
                 ref = getattr(replica.actor, method).remote(*args, **kwargs)
                 self.inflight[ref] = (replica.name, then or (lambda _: None), kind)
                 sids = call_sessions(kind, args)
                 self.involved[ref] = [a.node.name for a in self.agents.values() if a.sid in sids]
                 self.last_kind[replica.name] = kind
+
+    def _pack(self, queue: deque, always: bool = False) -> tuple:
+        """The queue's first item (a prompt segment) with the others that pack with it; with
+        `always`, as a "chunks" item even when it goes alone."""
+        fresh = {a.sid for a in self.agents.values() if a.busy and a.fresh}
+        return pack_chunks(queue.popleft(), queue, fresh, always)
 
     # --- agent lifecycle -----------------------------------------------------------------
     def _open(self, agent: _Agent) -> None:

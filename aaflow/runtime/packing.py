@@ -13,14 +13,14 @@ from collections import deque
 PACK_MAX_TOKENS = 1024  # tokens a pack adds to its first request's call: it stays short, so decode steps interleave
 
 
-def pack_chunks(first: tuple, queue: deque, fresh: set[str]) -> tuple:
+def pack_chunks(first: tuple, queue: deque, fresh: set[str], always: bool = False) -> tuple:
     """`first` is a queued ("chunk", "session_prefill", args, {}, then) item just taken from
     `queue`; take the other chunk items of the queue too (while they add at most PACK_MAX_TOKENS
     tokens to compute) and return one ("chunks", "session_prefill_many", (requests,), {}, then) item whose callback
     answers each. `fresh` names the sessions whose request is their first: such a request that
     reuses the prefix cache computes only what an earlier fresh member does not (the engine
     computes a prefix shared inside a pack once), so many agents' prompts on one shared system
-    prompt go in one call."""
+    prompt go in one call. A lone item comes back as it was, unless `always`."""
     taken, rest, leaders, total = [first], deque(), {}, 0
     _tokens_to_compute(first, leaders, fresh)  # it may lead
     while queue:
@@ -34,7 +34,7 @@ def pack_chunks(first: tuple, queue: deque, fresh: set[str]) -> tuple:
             if cost is not None:
                 _forget(item, leaders)
     queue.extend(rest)
-    if len(taken) == 1:
+    if len(taken) == 1 and not always:
         return first
     requests = [list(item[2]) for item in taken]  # [sid, token_ids, sampling, reuse_prefix]
     thens = [item[4] for item in taken]
