@@ -3,7 +3,10 @@
 Search: simulate uniform "text" (the baseline) and each uniform candidate, start from the best,
 then coordinate descent over agents (a few passes: try each candidate for one agent, keep it if the
 prediction improves). Order: shorter makespan, then less total replica work, then simpler
-strategies. A plan is never predicted slower than text; if it would be, it is text for everyone.
+strategies; makespans within MAKESPAN_TIE of each other count as equal (the model is not that
+exact, and of two plans as fast, the one that computes less leaves the machine's other cores free
+and suffers less when replicas contend for them). A plan is never predicted slower than text; if
+it would be, it is text for everyone.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ CANDIDATES = ("recompute", "transfer", "stream", "transfer+stream")
 SIMPLICITY = {"text": 0, "recompute": 1, "transfer": 2, "stream": 3, "transfer+stream": 4}
 # With no upstream agent there is nothing to stream: these behave exactly like the simpler one.
 NO_INPUT_EQUIVALENT = {"stream": "recompute", "transfer+stream": "transfer"}
+MAKESPAN_TIE = 0.03  # predicted makespans this close (relative) are a tie, broken by total work
 
 
 def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwareProfile,
@@ -40,13 +44,16 @@ def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwarePr
     search = _Search(spec, cluster, hardware, models, tuple(dict.fromkeys(candidates)), call_overhead_s)
     baseline = search.sim(search.uniform("text"))
     alternatives = {c: search.sim(search.uniform(c)) for c in search.candidates}
-    current = min((search.normalize(search.uniform(c)) for c in search.candidates), key=search.key)
+    current = search.normalize(search.uniform(search.candidates[0]))
+    for c in search.candidates[1:]:
+        if search.better(uniform := search.normalize(search.uniform(c)), current):
+            current = uniform
     for _ in range(max_passes):
         improved = False
         for task in spec.agents:
             for strategy in search.options[task.name]:
                 trial = {**current, task.name: strategy}
-                if search.key(trial) < search.key(current):
+                if search.better(trial, current):
                     current, improved = trial, True
         if not improved:
             break
@@ -72,6 +79,7 @@ class _Search:
         self.candidates, self.call_overhead_s = candidates, call_overhead_s
         self.cache: dict[tuple[str, ...], SimResult] = {}
         self.options = {t.name: self._options(t) for t in spec.agents}
+        self.fastest = float("inf")  # the shortest makespan `better` has seen
 
     def _options(self, task: AgentTask) -> list[str]:
         if task.upstream:
@@ -92,6 +100,15 @@ class _Search:
             self.cache[key] = simulate(self.spec, self.cluster, self.hardware, self.models, assignment,
                                        call_overhead_s=self.call_overhead_s)
         return self.cache[key]
+
+    def better(self, a: dict[str, str], b: dict[str, str]) -> bool:
+        """Whether assignment `a` ranks before `b` (see the module docstring). A tie never admits a
+        plan more than MAKESPAN_TIE slower than the fastest simulated so far, so ties cannot drift."""
+        ma, mb = self.sim(a).makespan_s, self.sim(b).makespan_s
+        self.fastest = min(self.fastest, ma, mb)
+        if abs(ma - mb) > MAKESPAN_TIE * max(ma, mb) or ma > self.fastest * (1 + MAKESPAN_TIE):
+            return ma < mb
+        return self.key(a)[1:] < self.key(b)[1:]
 
     def key(self, assignment: dict[str, str]) -> tuple[float, float, int]:
         result = self.sim(assignment)

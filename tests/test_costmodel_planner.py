@@ -9,7 +9,7 @@ import pytest
 from aaflow.errors import CostModelError
 from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
 from costmodel.model_profile import ModelProfile
-from costmodel.planner import plan_workflow
+from costmodel.planner import MAKESPAN_TIE, plan_workflow
 from costmodel.simulate import simulate
 from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
@@ -118,6 +118,25 @@ def test_first_prompts_on_one_shared_prefix_pack_beyond_the_token_cap():
     assert r.busy_s["s0"] == pytest.approx(2 * 0.01 + 0.001 * computed)  # one call, two passes
     text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
     assert text.busy_s["s0"] == pytest.approx(10 * 0.01 + 0.001 * 20 * 1004)
+
+
+@pytest.mark.parametrize("link_bytes_per_s, tie", [(1e9, True), (3e8, False)])
+def test_near_equal_makespans_are_a_tie_won_by_less_work(link_bytes_per_s, tie):
+    # Eight agents on one 2,000-token context, two replicas: recomputing it on both replicas is a
+    # little faster than computing it once and transferring it, but does twice the work.
+    c = ComputeProfile(0.01, 1e-3, 0.0, 0.05, 0.0, 0.0)
+    spec = WorkflowSpec("shared", tuple(agent(f"q{i}", "ctx", 2000, 20, out=4) for i in range(8)))
+    hw = hardware(c, link_bytes_per_s=link_bytes_per_s)
+    recompute = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "recompute"))
+    transfer = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "transfer"))
+    assert recompute.makespan_s < transfer.makespan_s and recompute.total_busy_s > transfer.total_busy_s
+    assert (transfer.makespan_s <= recompute.makespan_s * (1 + MAKESPAN_TIE)) == tie
+    plan = plan_workflow(spec, cluster(2), hw, {"m": SMOLLM2})
+    if tie:  # the plan may be up to MAKESPAN_TIE slower than the fastest, for less work
+        assert plan.predicted.makespan_s <= recompute.makespan_s * (1 + MAKESPAN_TIE)
+        assert plan.predicted.total_busy_s < recompute.total_busy_s
+    else:
+        assert set(plan.decisions.values()) == {"recompute"}
 
 
 def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:
