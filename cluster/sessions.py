@@ -85,9 +85,10 @@ class SequenceSessions:
         decoding = [self._sessions()[sid] for sid in sids]
         sessions = [self._sessions()[r[0]] for r in requests]
         t0 = time.perf_counter()
-        logits, reused = self.engine.prefill_packed(
-            [s.seq_id for s in decoding + sessions], [[s.generated[-1]] for s in decoding] + [list(r[1]) for r in requests],
-            [False] * len(decoding) + [bool(r[3]) for r in requests])  # [len(sids) + len(requests), vocab]
+        token_lists = [[s.generated[-1]] for s in decoding] + [list(r[1]) for r in requests]
+        logits, reused = self.engine.prefill_packed([s.seq_id for s in decoding + sessions], token_lists,
+                                                    [False] * len(decoding) + [bool(r[3]) for r in requests])
+        # logits: [len(sids) + len(requests), vocab]
         seconds = time.perf_counter() - t0
         tokens = []
         for s, row in zip(decoding, logits):

@@ -25,7 +25,8 @@ def test_first_prompts_sharing_a_system_prompt_go_in_one_call():
 
 
 def test_continuations_and_prompts_without_reuse_count_in_full():
-    queue = deque([_chunk("b1", SYSTEM + [8]), _chunk("b2", SYSTEM + [9], reuse=False), ("close", "x", ("c",), {}, None)])
+    close = ("close", "session_close", ("c",), {}, None)
+    queue = deque([_chunk("b1", SYSTEM + [8]), _chunk("b2", SYSTEM + [9], reuse=False), close])
     packed = pack_chunks(_chunk("b0", SYSTEM + [7]), queue, fresh={"b0", "b2"})  # b1 continues a session
     assert _sids(packed) == ["b0"]  # 1,501 more tokens each would pass PACK_MAX_TOKENS
     assert [item[2][0] for item in queue] == ["b1", "b2", "c"]  # order kept

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from aaflow.engine.sampling import SamplingParams
 from aaflow.errors import WorkflowError
 from aaflow.runtime.kvops import KVDirective, directive, evicted_contexts
-from aaflow.runtime.packing import call_sessions, pack_chunks
 from aaflow.runtime.prompts import AgentInput, Segment, prompt_leaves, reorder_by_completion, static_prefix
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
+from aaflow.runtime.replica_calls import ReplicaCalls
 from aaflow.runtime.results import AgentResult, RunResult
 from aaflow.workflow.graph import STRATEGIES, AgentNode, ContextNode
 
@@ -65,7 +65,7 @@ class _Agent:
                               ignore_eos=n.ignore_eos)
 
 
-class Executor(PrefixSharing, Recovery):
+class Executor(ReplicaCalls, PrefixSharing, Recovery):
     def __init__(self, workflow, cluster, strategy: str, builders: dict, eos: dict[str, set[int]],
                  chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
                  decisions: dict[str, str] | None = None) -> None:
@@ -113,47 +113,6 @@ class Executor(PrefixSharing, Recovery):
         agent.replica, agent.result.replica = best, best.name
         agent.sid = f"{agent.node.name}#{agent.result.restarts}"
         agent.result.strategy = agent.strategy
-
-    # --- replica call queue --------------------------------------------------------------
-    def _call(self, replica, kind: str, method: str, *args, then=None, **kwargs) -> None:
-        self.queues[replica.name].append((kind, method, args, kwargs, then))
-
-    def _launch(self) -> None:
-        busy = {name for name, _, _ in self.inflight.values()}
-        for replica in self.cluster.replicas():
-            if replica.name in busy or replica.name in self.dead:
-                continue
-            decoding = [a for a in self.agents.values() if a.replica is replica and a.state == "decoding"]
-            queue = self.queues[replica.name]
-            if decoding and queue and queue[0][0] == "chunk":  # decode and prefill in one pass
-                _, _, (requests,), _, answer = self._pack(queue, always=True)
-                sids = [a.sid for a in decoding]
-                ref = replica.actor.session_step_mixed.remote(sids, requests)
-                self.inflight[ref] = (replica.name, lambda out, ds=decoding, answer=answer: (
-                    self._on_step(ds, out[0]), answer(out[1])), "step")
-                self.involved[ref] = [a.node.name for a in decoding] + [
-                    a.node.name for a in self.agents.values() if a.sid in call_sessions("chunks", (requests,))]
-                self.last_kind[replica.name] = "step"
-            elif decoding and (not queue or self.last_kind.get(replica.name) != "step"):
-                sids = [a.sid for a in decoding]
-                ref = replica.actor.session_step.remote(sids)
-                self.inflight[ref] = (replica.name, lambda toks, ds=decoding: self._on_step(ds, toks), "step")
-                self.involved[ref] = [a.node.name for a in decoding]
-                self.last_kind[replica.name] = "step"
-            elif queue:
-                item = self._pack(queue) if queue[0][0] == "chunk" else queue.popleft()
-                kind, method, args, kwargs, then = item
-                ref = getattr(replica.actor, method).remote(*args, **kwargs)
-                self.inflight[ref] = (replica.name, then or (lambda _: None), kind)
-                sids = call_sessions(kind, args)
-                self.involved[ref] = [a.node.name for a in self.agents.values() if a.sid in sids]
-                self.last_kind[replica.name] = kind
-
-    def _pack(self, queue: deque, always: bool = False) -> tuple:
-        """The queue's first item (a prompt segment) with the others that pack with it; with
-        `always`, as a "chunks" item even when it goes alone."""
-        fresh = {a.sid for a in self.agents.values() if a.busy and a.fresh}
-        return pack_chunks(queue.popleft(), queue, fresh, always)
 
     # --- agent lifecycle -----------------------------------------------------------------
     def _open(self, agent: _Agent) -> None:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from collections import deque
 
-PACK_MAX_TOKENS = 1024  # tokens a pack adds to its first request's call: it stays short, so decode steps interleave
+# Tokens a pack may add to compute beyond its first request's: calls stay short, so decode steps interleave.
+PACK_MAX_TOKENS = 1024
 
 
 def pack_chunks(first: tuple, queue: deque, fresh: set[str], always: bool = False) -> tuple:
     """`first` is a queued ("chunk", "session_prefill", args, {}, then) item just taken from
     `queue`; take the other chunk items of the queue too (while they add at most PACK_MAX_TOKENS
-    tokens to compute) and return one ("chunks", "session_prefill_many", (requests,), {}, then) item whose callback
-    answers each. `fresh` names the sessions whose request is their first: such a request that
+    tokens to compute) and return one ("chunks", "session_prefill_many", (requests,), {}, then)
+    item whose callback answers each. `fresh` names the sessions whose request is their first: such a request that
     reuses the prefix cache computes only what an earlier fresh member does not (the engine
     computes a prefix shared inside a pack once), so many agents' prompts on one shared system
     prompt go in one call. A lone item comes back as it was, unless `always`."""
