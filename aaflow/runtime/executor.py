@@ -10,7 +10,8 @@ Per incoming-edge strategy of an agent:
   transfer+stream  both;
   auto       per agent, the strategy the planner chose (`decisions`); without a plan, transfer+stream
              for prefixes of at least AUTO_MIN_SHARED_PREFIX tokens and stream otherwise.
-Explicit KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top.
+Explicit KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top. The
+replica call queues (packing, mixed decode + prefill steps) are in `replica_calls`.
 """
 
 from __future__ import annotations
