@@ -54,7 +54,10 @@ class SequenceSessions:
         t0 = time.perf_counter()
         logits, reused = self.engine.prefill_packed([s.seq_id for s in sessions], [list(r[1]) for r in requests],
                                                     [bool(r[3]) for r in requests])  # [n, vocab]
-        seconds = time.perf_counter() - t0
+        return self._prefill_answers(sessions, requests, reused, logits, time.perf_counter() - t0)
+
+    def _prefill_answers(self, sessions, requests, reused, logits, seconds: float) -> list[dict]:
+        """Each request's answer, as `session_prefill` gives it; logits: [len(requests), vocab]."""
         return [self._maybe_first_token(s, r[2], row, {"computed": len(r[1]) - n, "reused": n, "seconds": seconds})
                 for s, r, n, row in zip(sessions, requests, reused, logits)]
 
@@ -71,11 +74,15 @@ class SequenceSessions:
         self._maybe_fail("step")
         sessions = [self._sessions()[sid] for sid in sids]
         logits = self.engine.decode([s.seq_id for s in sessions], [s.generated[-1] for s in sessions])
+        return self._sample_next(sessions, logits)
+
+    @staticmethod
+    def _sample_next(sessions: list[_Session], logits) -> list[int]:
+        """Sample each decoding session's next token from its row of logits [len(sessions), vocab]."""
         tokens = []
         for s, row in zip(sessions, logits):
-            token = s.sampler(row[None])[0]
-            s.generated.append(token)
-            tokens.append(token)
+            tokens.append(s.sampler(row[None])[0])
+            s.generated.append(tokens[-1])
         return tokens
 
     def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
@@ -88,16 +95,9 @@ class SequenceSessions:
         token_lists = [[s.generated[-1]] for s in decoding] + [list(r[1]) for r in requests]
         logits, reused = self.engine.prefill_packed([s.seq_id for s in decoding + sessions], token_lists,
                                                     [False] * len(decoding) + [bool(r[3]) for r in requests])
-        # logits: [len(sids) + len(requests), vocab]
-        seconds = time.perf_counter() - t0
-        tokens = []
-        for s, row in zip(decoding, logits):
-            tokens.append(s.sampler(row[None])[0])
-            s.generated.append(tokens[-1])
-        rows = zip(sessions, requests, reused[len(decoding):], logits[len(decoding):])
-        outs = [self._maybe_first_token(s, r[2], row, {"computed": len(r[1]) - n, "reused": n, "seconds": seconds})
-                for s, r, n, row in rows]
-        return tokens, outs
+        seconds, n = time.perf_counter() - t0, len(decoding)  # logits: [n + len(requests), vocab]
+        return (self._sample_next(decoding, logits[:n]),
+                self._prefill_answers(sessions, requests, reused[n:], logits[n:], seconds))
 
     def session_close(self, sid: str) -> None:
         """End a session and free its blocks; closing an unknown or closed session does nothing."""

@@ -42,10 +42,8 @@ class AttentionBatch:
         """Several sequences' chunks of one length S, each continuing its context: chunk b's tokens
         sit at positions [starts[b], starts[b] + S) over context slots contexts[b] ([starts[b] + S])."""
         q_len = write_slots[0].numel()
-        ctx = max(c.numel() for c in contexts)
-        padded = torch.zeros(len(contexts), ctx, dtype=torch.long)  # pad with slot 0 (masked out)
-        for b, slots in enumerate(contexts):
-            padded[b, : slots.numel()] = slots
+        padded = _pad_slots(contexts)  # [B, ctx]
+        ctx = padded.shape[1]
         last_key = torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]  # [B, S]: query i sees keys <= it
         mask = torch.arange(ctx)[None, None, :] <= last_key[:, :, None]  # [B, S, ctx]; padding lies beyond
         return cls(len(contexts), q_len, torch.cat(write_slots), padded, mask[:, None], False)
@@ -54,14 +52,20 @@ class AttentionBatch:
     def decode(cls, write_slots: torch.Tensor, context_slots: list[torch.Tensor]) -> "AttentionBatch":
         """One new token per sequence; context_slots[b]: [len_b] including the new token."""
         lengths = torch.tensor([c.numel() for c in context_slots])
-        ctx = int(lengths.max())
-        padded = torch.zeros(len(context_slots), ctx, dtype=torch.long)  # pad with slot 0 (masked out)
-        for b, slots in enumerate(context_slots):
-            padded[b, : slots.numel()] = slots
+        padded = _pad_slots(context_slots)  # [B, ctx]
+        ctx = padded.shape[1]
         mask = None
         if bool((lengths != ctx).any()):
             mask = (torch.arange(ctx)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
         return cls(len(context_slots), 1, write_slots, padded, mask, False)
+
+
+def _pad_slots(contexts: list[torch.Tensor]) -> torch.Tensor:
+    """Each sequence's context slots in one row, padded to the longest with slot 0 (callers mask it out)."""
+    padded = torch.zeros(len(contexts), max(c.numel() for c in contexts), dtype=torch.long)  # [B, ctx]
+    for b, slots in enumerate(contexts):
+        padded[b, : slots.numel()] = slots
+    return padded
 
 
 @dataclass

@@ -18,10 +18,10 @@ def pack_chunks(first: tuple, queue: deque, fresh: set[str], always: bool = Fals
     """`first` is a queued ("chunk", "session_prefill", args, {}, then) item just taken from
     `queue`; take the other chunk items of the queue too (while they add at most PACK_MAX_TOKENS
     tokens to compute) and return one ("chunks", "session_prefill_many", (requests,), {}, then)
-    item whose callback answers each. `fresh` names the sessions whose request is their first: such a request that
-    reuses the prefix cache computes only what an earlier fresh member does not (the engine
-    computes a prefix shared inside a pack once), so many agents' prompts on one shared system
-    prompt go in one call. A lone item comes back as it was, unless `always`."""
+    item whose callback answers each. `fresh` names the sessions whose request is their first:
+    such a request that reuses the prefix cache computes only what an earlier fresh member does
+    not (the engine computes a prefix shared inside a pack once), so many agents' prompts on one
+    shared system prompt go in one call. A lone item comes back as it was, unless `always`."""
     taken, rest, leaders, total = [first], deque(), {}, 0
     _tokens_to_compute(first, leaders, fresh)  # it may lead
     while queue:
