@@ -124,6 +124,7 @@ def run(args) -> dict:
                                        "engine_tokens_computed": engine_tok,
                                        "prefill_reused": res.metrics["prefill_reused"], "cpu_s": cpu,
                                        "wall_s": res.wall_s, "workflows_per_min": 60.0 / res.wall_s,
+                                       "planning_s": res.planning_s,
                                        "bytes_moved": res.metrics["bytes_moved"]})
             row = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in samples.items()}
             for s in args.strategies:

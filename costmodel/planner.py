@@ -2,7 +2,7 @@
 
 Search: simulate uniform "text" (the baseline) and each uniform candidate, start from the best,
 then coordinate descent over agents (a few passes: try each candidate for one agent, keep it if the
-prediction improves). Order: shorter makespan, then less total replica work, then simpler
+prediction improves; in large workflows for one group of interchangeable agents at a time). Order: shorter makespan, then less total replica work, then simpler
 strategies; makespans within MAKESPAN_TIE of each other count as equal (the model is not that
 exact, and of two plans as fast, the one that computes less leaves the machine's other cores free
 and suffers less when replicas contend for them). A plan is never predicted slower than text; if
@@ -28,6 +28,10 @@ SIMPLICITY = {"text": 0, "recompute": 1, "transfer": 2, "stream": 3, "transfer+s
 # With no upstream agent there is nothing to stream: these behave exactly like the simpler one.
 NO_INPUT_EQUIVALENT = {"stream": "recompute", "transfer+stream": "transfer"}
 MAKESPAN_TIE = 0.03  # predicted makespans this close (relative) are a tie, broken by total work
+# Up to this many agents the descent moves one agent at a time; beyond, one group of
+# interchangeable agents at a time (a simulation costs O(agents x events): per-agent moves over
+# 256 agents took minutes).
+PER_AGENT_SEARCH_MAX = 32
 
 
 def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwareProfile,
@@ -48,11 +52,12 @@ def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwarePr
     for c in search.candidates[1:]:
         if search.better(uniform := search.normalize(search.uniform(c)), current):
             current = uniform
+    units = [[t.name] for t in spec.agents] if len(spec.agents) <= PER_AGENT_SEARCH_MAX else interchangeable_groups(spec)
     for _ in range(max_passes):
         improved = False
-        for task in spec.agents:
-            for strategy in search.options[task.name]:
-                trial = {**current, task.name: strategy}
+        for unit in units:
+            for strategy in search.options[unit[0]]:
+                trial = {**current, **{name: strategy for name in unit}}
                 if search.better(trial, current):
                     current, improved = trial, True
         if not improved:
@@ -61,14 +66,33 @@ def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwarePr
         current = search.uniform("text")
     predicted = search.sim(current)
     runner_up = {}
-    for task in spec.agents:
-        others = [{**current, task.name: s} for s in search.options[task.name] + ["text"] if s != current[task.name]]
+    for unit in units:  # one member of a group of interchangeable agents stands for all of them
+        name = unit[0]
+        others = [{**current, name: s} for s in search.options[name] + ["text"] if s != current[name]]
         if others:
             best = min(others, key=search.key)
-            runner_up[task.name] = (best[task.name], search.sim(best).makespan_s)
+            runner_up.update(dict.fromkeys(unit, (best[name], search.sim(best).makespan_s)))
     reasons = {t.name: _reason(t, current, predicted, spec, cluster, hardware, models) for t in spec.agents}
     return Plan(spec, dict(current), predicted, baseline, alternatives, runner_up, hardware.name,
                 not hardware.measured, reasons)
+
+
+def interchangeable_groups(spec: WorkflowSpec) -> list[list[str]]:
+    """The agents in groups that differ only by name: same model, prefix, output length and
+    segments, with upstream agents from the same groups (declaration order; upstream agents are
+    declared first)."""
+    group_of: dict[str, int] = {}
+    signatures: dict[tuple, int] = {}
+    groups: list[list[str]] = []
+    for task in spec.agents:
+        segments = tuple(("agent", group_of.get(s, s)) if isinstance(s, str) else s for s in task.segments)
+        signature = (task.model, task.prefix_key, task.prefix_tokens, task.output_tokens, segments)
+        index = signatures.setdefault(signature, len(groups))
+        if index == len(groups):
+            groups.append([])
+        groups[index].append(task.name)
+        group_of[task.name] = index
+    return groups
 
 
 class _Search:

@@ -7,6 +7,7 @@ model's prompt builder); the simulator and the planner only need lengths and the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Union
 
 from aaflow.errors import CostModelError
@@ -47,10 +48,10 @@ class AgentTask:
                 raise CostModelError(f"agent {self.name!r}: a segment must be a token count >= 0 or an agent "
                                      f"name, got {seg!r}")
 
-    @property
-    def upstream(self) -> list[str]:
+    @cached_property
+    def upstream(self) -> tuple[str, ...]:
         """Names of the agents whose output this agent reads, in prompt order, without repeats."""
-        return list(dict.fromkeys(s for s in self.segments if isinstance(s, str)))
+        return tuple(dict.fromkeys(s for s in self.segments if isinstance(s, str)))
 
 
 @dataclass(frozen=True)
@@ -92,21 +93,33 @@ class WorkflowSpec:
             if agent.name not in state:
                 visit(agent.name)
 
+    @cached_property
+    def _by_name(self) -> dict[str, AgentTask]:
+        return {a.name: a for a in self.agents}
+
+    @cached_property
+    def _consumers(self) -> dict[str, tuple[str, ...]]:
+        readers: dict[str, list[str]] = {a.name: [] for a in self.agents}
+        for agent in self.agents:
+            for up in agent.upstream:
+                readers[up].append(agent.name)
+        return {name: tuple(names) for name, names in readers.items()}
+
     def agent(self, name: str) -> AgentTask:
         """The agent called `name` (CostModelError if there is none)."""
-        for agent in self.agents:
-            if agent.name == name:
-                return agent
-        raise CostModelError(f"workflow {self.name!r} has no agent {name!r}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise CostModelError(f"workflow {self.name!r} has no agent {name!r}") from None
 
     def upstream(self, name: str) -> list[str]:
         """Agents whose output `name` reads."""
-        return self.agent(name).upstream
+        return list(self.agent(name).upstream)
 
     def consumers(self, name: str) -> list[str]:
         """Agents that read the output of `name`, in declaration order."""
         self.agent(name)
-        return [a.name for a in self.agents if name in a.upstream]
+        return list(self._consumers[name])
 
     def models(self) -> list[str]:
         """The models the agents use, in first-use order."""

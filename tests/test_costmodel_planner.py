@@ -9,7 +9,8 @@ import pytest
 from aaflow.errors import CostModelError
 from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
 from costmodel.model_profile import ModelProfile
-from costmodel.planner import MAKESPAN_TIE, plan_workflow
+import costmodel.planner as planner_module
+from costmodel.planner import MAKESPAN_TIE, PER_AGENT_SEARCH_MAX, interchangeable_groups, plan_workflow
 from costmodel.simulate import simulate
 from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
@@ -186,6 +187,35 @@ def test_planner_avoids_a_slow_link_and_uses_a_fast_one():
         assert plan.predicted.makespan_s <= min(r.makespan_s for r in plan.alternatives.values()) + 1e-9
     assert (slow.projection, fast.projection) == (True, False)
     assert "PROJECTION" not in fast.explain()
+
+
+def pairs(n: int) -> WorkflowSpec:
+    """n A -> B pairs; the As' prompts have two lengths, so there are two kinds of A and of B."""
+    tasks = []
+    for i in range(n):
+        tasks.append(agent(f"A{i}", "hdr", 8, 12 + i % 2, out=32))
+        tasks.append(agent(f"B{i}", "sys", 1600, 4, f"A{i}", 9, out=8))
+    return WorkflowSpec("pairs", tuple(tasks))
+
+
+def test_interchangeable_agents_are_grouped_by_everything_but_their_name():
+    groups = interchangeable_groups(pairs(4))
+    assert groups == [["A0", "A2"], ["B0", "B2"], ["A1", "A3"], ["B1", "B3"]]
+    odd = WorkflowSpec("odd", pairs(2).agents + (agent("C", "sys", 1600, 4, "A0", 9, out=9),))
+    assert ["C"] in interchangeable_groups(odd)  # another output length: its own group
+
+
+def test_a_large_workflow_is_searched_by_groups(monkeypatch):
+    calls = []
+    real = planner_module.simulate
+    monkeypatch.setattr(planner_module, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = pairs(PER_AGENT_SEARCH_MAX)  # twice the per-agent limit
+    plan = plan_workflow(spec, cluster(2), hardware(CPU), {"m": SMOLLM2})
+    for group in interchangeable_groups(spec):
+        assert len({plan.decisions[name] for name in group}) == 1
+        assert len({plan.runner_up[name] for name in group}) == 1
+    assert plan.predicted.makespan_s <= min(r.makespan_s for r in plan.alternatives.values()) + 1e-9
+    assert len(calls) < 100  # per agent, one pass alone would simulate 4 x 64 assignments
 
 
 def test_plan_falls_back_to_text_when_nothing_beats_it():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from aaflow.errors import AAFlowError, WorkflowError
 from aaflow.runtime.executor import Executor
 from aaflow.runtime.kvops import check_replicas
@@ -63,16 +65,21 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     builders, eos, limits = _builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits)
     events = []
+    planning_s = 0.0
     if strategy == "auto" and plan is None:
         from aaflow.planning import plan_checked
 
+        start = time.perf_counter()
         try:
             plan = plan_checked(workflow, cluster, builders, chunk_tokens=chunk_tokens, transport=transport)
         except AAFlowError as exc:
             events.append(f"planner unavailable ({exc}); auto follows its documented rule")
+        planning_s = time.perf_counter() - start
     decisions = plan.decisions if strategy == "auto" and plan is not None else None
     if decisions:
-        events.append("planner: " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
+        events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
     executor = Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport, decisions)
     executor.events.extend(events)
-    return executor.run()
+    result = executor.run()
+    result.planning_s = planning_s
+    return result

@@ -41,6 +41,7 @@ class RunResult:
     wall_s: float
     events: list[str] = field(default_factory=list)
     shared_prefill_computed: int = 0  # tokens computed once to materialize prefixes that agents share
+    planning_s: float = 0.0  # spent planning before the run (strategy "auto" without a given plan; not in wall_s)
 
     def __getitem__(self, name: str) -> AgentResult:
         return self.agents[name]
@@ -52,7 +53,7 @@ class RunResult:
             row.pop("token_ids")
             row.pop("text")
         return {
-            "workflow": self.workflow, "strategy": self.strategy, "wall_s": self.wall_s,
+            "workflow": self.workflow, "strategy": self.strategy, "wall_s": self.wall_s, "planning_s": self.planning_s,
             "prefill_computed": sum(a.prefill_computed for a in self.agents.values()) + self.shared_prefill_computed,
             "shared_prefill_computed": self.shared_prefill_computed,
             "prefill_reused": sum(a.prefill_reused for a in self.agents.values()),
