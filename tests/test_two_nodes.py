@@ -44,6 +44,9 @@ def two_nodes(tiny_llama_dir):
     has_ss = shutil.which("ss") is not None
     before = _listeners() if has_ss else set()
     loopback_only()  # before any Ray process starts: every Ray server then binds 127.0.0.1
+    # Ray's test cluster records its address in Ray's default temp folder (/tmp/ray), whatever
+    # temp_dir the head uses, and fails where that folder was never created (a fresh machine).
+    os.makedirs(os.path.dirname(ray._private.utils.get_ray_address_file(None)), exist_ok=True)
     # A dynamic dashboard-agent port: the default 52365 may be held by another Ray on this machine.
     ray_cluster = RayTestCluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False, "temp_dir": default_temp_dir(),
