@@ -2,11 +2,12 @@
 
 Search: simulate uniform "text" (the baseline) and each uniform candidate, start from the best,
 then coordinate descent over agents (a few passes: try each candidate for one agent, keep it if the
-prediction improves; in large workflows for one group of interchangeable agents at a time). Order: shorter makespan, then less total replica work, then simpler
-strategies; makespans within MAKESPAN_TIE of each other count as equal (the model is not that
-exact, and of two plans as fast, the one that computes less leaves the machine's other cores free
-and suffers less when replicas contend for them). A plan is never predicted slower than text; if
-it would be, it is text for everyone.
+prediction improves; in large workflows, for one group of interchangeable agents at a time).
+Order: shorter makespan, then less total replica work, then simpler strategies; makespans within
+MAKESPAN_TIE of each other count as equal (the model is not that exact, and of two plans as fast,
+the one that computes less leaves the machine's other cores free and suffers less when replicas
+contend for them). A plan is never predicted slower than text; if it would be, it is text for
+everyone.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwarePr
     for c in search.candidates[1:]:
         if search.better(uniform := search.normalize(search.uniform(c)), current):
             current = uniform
-    units = [[t.name] for t in spec.agents] if len(spec.agents) <= PER_AGENT_SEARCH_MAX else interchangeable_groups(spec)
+    many = len(spec.agents) > PER_AGENT_SEARCH_MAX
+    units = interchangeable_groups(spec) if many else [[t.name] for t in spec.agents]
     for _ in range(max_passes):
         improved = False
         for unit in units:
@@ -78,9 +80,9 @@ def plan_workflow(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwarePr
 
 
 def interchangeable_groups(spec: WorkflowSpec) -> list[list[str]]:
-    """The agents in groups that differ only by name: same model, prefix, output length and
-    segments, with upstream agents from the same groups (declaration order; upstream agents are
-    declared first)."""
+    """The agents in groups of the same model, prefix, output length and segments, whose upstream
+    agents come from the same groups (in declaration order: upstream agents are declared first).
+    Who reads an agent is not compared: a group only makes the search coarser, never wrong."""
     group_of: dict[str, int] = {}
     signatures: dict[tuple, int] = {}
     groups: list[list[str]] = []
