@@ -198,7 +198,7 @@ def pairs(n: int) -> WorkflowSpec:
     return WorkflowSpec("pairs", tuple(tasks))
 
 
-def test_interchangeable_agents_are_grouped_by_everything_but_their_name():
+def test_agents_are_grouped_by_model_prefix_segments_output_and_upstream_groups():
     groups = interchangeable_groups(pairs(4))
     assert groups == [["A0", "A2"], ["B0", "B2"], ["A1", "A3"], ["B1", "B3"]]
     odd = WorkflowSpec("odd", pairs(2).agents + (agent("C", "sys", 1600, 4, "A0", 9, out=9),))
