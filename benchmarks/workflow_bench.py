@@ -107,7 +107,8 @@ def _map_reduce(cluster, args) -> dict:
         for s in samples:
             res = _cold_run(cluster, wf, s, args.chunk_tokens)
             samples[s].append(res.wall_s)
-            planning += [res.planning_s] if s == "auto" else []
+            if s == "auto":
+                planning.append(res.planning_s)
     mr = {s: statistics.median(v) for s, v in samples.items()}
     mr["latency_reduction"] = 1 - mr["auto"] / mr["text"]
     mr["auto_planning_s"] = statistics.median(planning)  # before the run, not in its wall time

@@ -79,8 +79,12 @@ class Executor(ReplicaCalls, PrefixSharing, Recovery):
         self.events: list[str] = []
         self.agents: dict[str, _Agent] = {}
         evicted = evicted_contexts(workflow)
+        readers: dict[str, list[str]] = {node.name: [] for node in workflow.agents()}  # in declaration order
         for node in workflow.agents():
-            consumers = [a.name for a in workflow.agents() if node.name in a.upstream(workflow)]
+            for up in node.upstream(workflow):
+                readers[up].append(node.name)
+        for node in workflow.agents():
+            consumers = readers[node.name]
             segs = builders[node.model].segments(workflow, node)
             chosen = node.strategy or (decisions or {}).get(node.name) or strategy
             agent = _Agent(node, chosen, segs, consumers, AgentResult(node.name), directive(workflow, node))
