@@ -33,7 +33,8 @@ from aaflow.engines_vllm.errors import VLLMUnsupportedError
 from aaflow.errors import KVComposeError, KVImportError, KVTransferError, ModelMismatchError
 from cluster.faults import FaultInjection
 from cluster.payload_refs import PayloadRefs
-from cluster.replica import KVShape, RefRecord
+from cluster.replica import RefRecord
+from cluster.transfer_endpoint import KVShape
 from cluster.vllm_calibration import VLLMCalibration
 
 VLLM_OPTIONS = ("prefix_caching", "max_model_len", "kv_cache_gib", "block_size", "enforce_eager", "python",

@@ -78,7 +78,7 @@ def test_a_failed_transfer_raises_and_leaves_both_pools_consistent(replicas, tra
 def test_receiver_checks_model_and_shape_before_any_byte(replicas):
     import ray
 
-    from cluster.replica import KVShape
+    from cluster.transfer_endpoint import KVShape
 
     src, dst = replicas
     record = ray.get(src.materialize.remote(CONTEXT))

@@ -138,6 +138,24 @@ class Engine(PromptText):
         """A new sequence holding imported KV (checked first); `cacheable=False` for approximate KV."""
         return self.runner.import_kv(export, cacheable)
 
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The pool tensor every sequence's KV lives in (one contiguous buffer: register it once)."""
+        return self.runner.cache.tensor
+
+    def kv_segments(self, seq_id: int) -> list[tuple[int, int]]:
+        """(address, nbytes) of the pool memory holding the sequence's KV, in `export_kv`'s order."""
+        return self.runner.cache.byte_segments(self.runner.kv_slots(seq_id))
+
+    def reserve_kv(self, fingerprint: str, token_ids: Seq[int], cacheable: bool = True) -> int:
+        """A new sequence with pool blocks for `token_ids` and no KV yet: write it in place (at
+        `kv_segments`), then `seal_kv`, or `free` it. Refuses another model's fingerprint."""
+        return self.runner.reserve_kv(fingerprint, list(token_ids), cacheable)
+
+    def seal_kv(self, seq_id: int) -> None:
+        """Mark a reserved sequence's KV written: its full blocks may now serve prefix-cache hits."""
+        self.runner.seal_kv(seq_id)
+
     def shift_keys(self, kv: torch.Tensor, delta: int) -> torch.Tensor:
         """kv [layers, 2, n, kv_heads, head_dim] with keys re-rotated by `delta` positions (values
         unchanged): a new tensor of the same shape."""

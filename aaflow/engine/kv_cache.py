@@ -104,6 +104,17 @@ class PagedKVCache:
             out[:, :, dst:dst + n].copy_(self._flat[:, :, src:src + n])
         return out
 
+    def byte_segments(self, slots: torch.Tensor) -> list[tuple[int, int]]:
+        """slots: [T] -> (address, nbytes) of the pool memory holding their KV, in the order of
+        `read_tokens`' output ([num_layers, 2, T, ...]): what a scatter-gather transport reads or
+        writes in place, instead of a contiguous copy. One segment per run of slots per layer and K/V."""
+        lay = self.layout
+        row = lay.num_kv_heads * lay.head_dim * lay.dtype_bytes  # one token's K (or V) in one layer
+        plane = lay.num_blocks * lay.block_size * row  # one layer's K (or V) for every slot
+        base = self.tensor.data_ptr()
+        runs = slot_runs(slots)
+        return [(base + p * plane + first * row, n * row) for p in range(lay.num_layers * 2) for _, first, n in runs]
+
     def write_tokens(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """slots: [T]; kv: [num_layers, 2, T, num_kv_heads, head_dim] -> stored at those slots (by runs,
         as `read_tokens`)."""

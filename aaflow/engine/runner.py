@@ -14,11 +14,12 @@ from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_has
 from aaflow.engine.cascade import CascadeBatch, shared_prefix_blocks
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
-from aaflow.engine.sequence import KVExport, Sequence
-from aaflow.errors import KVImportError, PromptError, SequenceError
+from aaflow.engine.kv_io import KVImportExport
+from aaflow.engine.sequence import Sequence
+from aaflow.errors import PromptError, SequenceError
 
 
-class KVRunner:
+class KVRunner(KVImportExport):
     def __init__(self, model: LlamaModel, layout: KVLayout, fingerprint: str, prefix_caching: bool = True) -> None:
         self.model = model
         self.layout = layout
@@ -271,40 +272,3 @@ class KVRunner:
             self._seal_full_blocks(seq)
         self.blocks.tokens_computed += len(seqs)
         return logits
-
-    # --- export / import ------------------------------------------------------------------
-    def export_kv(self, seq_id: int, out: torch.Tensor | None = None) -> KVExport:
-        """The sequence's KV as one contiguous [layers, 2, n, kv_heads, head_dim] tensor (a copy,
-        written into `out` when given: a reusable, transport-registered staging buffer)."""
-        seq = self.get(seq_id)
-        kv = self.cache.read_tokens(seq.slots(0, len(seq), self.layout.block_size), out)
-        return KVExport(self.fingerprint, tuple(seq.token_ids), kv)
-
-    def import_kv(self, export: KVExport, cacheable: bool = True) -> int:
-        """A new sequence holding imported KV; checked against this engine before any memory is touched.
-
-        `cacheable=False` marks approximate KV, which must never serve prefix-cache hits.
-        """
-        lay = self.layout
-        n = len(export.token_ids)
-        expected = (lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim)
-        if export.fingerprint != self.fingerprint:
-            raise KVImportError(
-                f"KV was computed by model {export.fingerprint[:16]}..., this engine is "
-                f"{self.fingerprint[:16]}...; recompute from text on this engine instead"
-            )
-        if tuple(export.kv.shape) != expected:
-            raise KVImportError(f"KV shape {tuple(export.kv.shape)} does not match this engine's {expected}")
-        if export.kv.dtype != lay.dtype:
-            raise KVImportError(f"KV dtype {export.kv.dtype} does not match this engine's {lay.dtype}")
-        if n == 0:
-            raise KVImportError("cannot import an empty KV export")
-        seq = Sequence(next(self._ids), cacheable=cacheable)
-        self._check_positions(seq, n)
-        self.blocks.check_capacity(self.blocks.blocks_needed(0, n))
-        self._grow(seq, n)
-        self.cache.write_tokens(seq.slots(0, n, lay.block_size), export.kv)
-        seq.token_ids = list(export.token_ids)
-        self.sequences[seq.seq_id] = seq
-        self._seal_full_blocks(seq)
-        return seq.seq_id

@@ -117,13 +117,17 @@ class AgentHost:
     # -- transfers -----------------------------------------------------------------------------
 
     def start_read(
-        self, out: torch.Tensor, agent: str, addr: int, notification: Message
+        self, local: list[tuple[int, int]], agent: str, remote: list[tuple[int, int]],
+        notification: Message,
     ) -> tuple[object, str]:
-        """Post a READ of `out.nbytes` bytes at `addr` in `agent` into `out`: (xfer, state)."""
+        """Post one READ of `remote` pieces (address, nbytes) in `agent` into the `local` pieces of
+        the same sizes, pairwise: (xfer, state)."""
         with self._lock:
-            local = self._agent.get_xfer_descs([(out.data_ptr(), out.nbytes, 0)], "DRAM")
-            remote = self._agent.get_xfer_descs([(addr, out.nbytes, 0)], "DRAM")
-            xfer = self._agent.initialize_xfer("READ", local, remote, agent, notification.encode())
+            local_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+            remote_descs = self._agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            xfer = self._agent.initialize_xfer(
+                "READ", local_descs, remote_descs, agent, notification.encode()
+            )
             return xfer, self._agent.transfer(xfer)
 
     def state(self, xfer: object) -> str:

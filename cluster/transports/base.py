@@ -6,7 +6,9 @@ to another process, bit for bit. Roles:
 
 - source side: `expose(tensor) -> TransferHandle`, later `release(handle)`;
 - destination side: `fetch(handle, out) -> TransferStats` fills a preallocated `out`;
-- either side: `register_pool(tensor)` (optional), `close()`.
+- either side: `register_pool(tensor)` (optional), `close()`;
+- where `supports_segments` (`nixl`): `expose_segments` / `fetch_segments` move a scatter list of
+  a registered pool (a sequence's KV where it lies in the pool) with no staging copy.
 
 The handle is small and picklable; callers carry it out of band (a Ray call argument).
 Every transport endpoint can play both roles; one instance per process is the norm.
@@ -26,9 +28,16 @@ import torch
 
 from aaflow.errors import KVTransferError
 
+from .segments import Segments, check_inside, total_nbytes
+
 
 class TransportUnavailableError(KVTransferError):
     """A transport backend cannot run in this environment (package missing, no Ray, ...)."""
+
+
+class TransferStillRunningError(KVTransferError):
+    """A failed fetch whose copy could not be cancelled: the destination memory may still be
+    written, so it must not be reused (a replica keeps those pool blocks out of use)."""
 
 
 @dataclass(frozen=True)
@@ -141,12 +150,48 @@ class Transport(ABC):
         and shape are not checked: the copy is byte for byte). On any failure or after
         `timeout_s` raises KVTransferError; `out` must then be discarded.
         """
+        self._check_handle(handle, out)
+        return self._timed(handle, timeout_s, lambda deadline: self._fetch(handle, out, deadline))
+
+    # -- scattered memory (optional: `supports_segments`) --------------------------------------
+
+    supports_segments: ClassVar[bool] = False
+    """True when the backend reads and writes scatter lists of a registered pool in place."""
+
+    def expose_segments(self, pool: torch.Tensor, segments: Segments, shape: tuple[int, ...],
+                        dtype: torch.dtype) -> TransferHandle:
+        """Expose the byte stream made of `segments` of a `register_pool`ed `pool` (logically a
+        tensor of `shape` and `dtype`) without copying it. The caller keeps those bytes unchanged
+        until `release`. Only where `supports_segments`."""
+        raise NotImplementedError(f"{self.name} cannot expose scattered memory; expose() a contiguous copy")
+
+    def fetch_segments(self, handle: TransferHandle, pool: torch.Tensor, segments: Segments,
+                       timeout_s: float = 30.0) -> TransferStats:
+        """Like `fetch`, but write the exposed bytes straight into `segments` of a
+        `register_pool`ed `pool` (their total must be `handle.nbytes`). On failure the segments
+        hold undefined bytes. Only where `supports_segments`."""
+        if not self.supports_segments:
+            raise NotImplementedError(f"{self.name} cannot write scattered memory; fetch() into a buffer")
+        self._check_handle(handle, pool, check_size=False)
+        check_inside(segments, pool, f"{self.name}: fetch_segments")
+        if total_nbytes(segments) != handle.nbytes:
+            raise KVTransferError(f"{self.name}: segments hold {total_nbytes(segments)} bytes, the handle "
+                                  f"exposes {handle.nbytes}")
+        return self._timed(handle, timeout_s,
+                           lambda deadline: self._fetch_segments(handle, pool, segments, deadline))
+
+    def _fetch_segments(self, handle: TransferHandle, pool: torch.Tensor, segments: Segments,
+                        deadline: float) -> None:
+        """Backend part of `fetch_segments` (validated arguments, monotonic deadline)."""
+        raise NotImplementedError
+
+    def _timed(self, handle: TransferHandle, timeout_s: float, call) -> TransferStats:
+        """Run `call(deadline)`, wrapping any backend error into KVTransferError; time it."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self._check_handle(handle, out)
         start = time.perf_counter()
         try:
-            self._fetch(handle, out, time.monotonic() + timeout_s)
+            call(time.monotonic() + timeout_s)
         except KVTransferError:
             raise
         except Exception as err:  # a backend error of any kind is a failed transfer
@@ -189,7 +234,7 @@ class Transport(ABC):
             dtype=str(tensor.dtype).removeprefix("torch."),
         )
 
-    def _check_handle(self, handle: object, out: torch.Tensor) -> None:
+    def _check_handle(self, handle: object, out: torch.Tensor, check_size: bool = True) -> None:
         if self._closed:
             raise KVTransferError(f"{self.name}: transport is closed; create a new one")
         if not isinstance(handle, self.handle_type) or handle.transport != self.name:
@@ -200,7 +245,7 @@ class Transport(ABC):
             )
         if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
             raise KVTransferError(f"{self.name}: out must be a contiguous CPU tensor")
-        if out.nbytes != handle.nbytes:
+        if check_size and out.nbytes != handle.nbytes:
             raise KVTransferError(
                 f"{self.name}: out has {out.nbytes} bytes ({tuple(out.shape)}, {out.dtype}) but "
                 f"the exposed tensor has {handle.nbytes} ({handle.shape}, {handle.dtype})"

@@ -41,6 +41,7 @@ import random
 import struct
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -61,10 +62,17 @@ from ._leases import (
     lease_request,
 )
 from ._nixl_agent import AgentHost, Region
-from .base import TransferHandle, Transport, _check_cpu_contiguous, package_missing
+from .base import (
+    TransferHandle,
+    TransferStillRunningError,
+    Transport,
+    _check_cpu_contiguous,
+    package_missing,
+)
+from .segments import Segments, check_inside, digest, pair_up, total_nbytes
 
 log = logging.getLogger(__name__)
-_ACK_PAYLOAD = struct.Struct("<QQ")  # address, nbytes of the leased exposure
+_ACK_PAYLOAD = struct.Struct("<QQ")  # address (a scatter list: its digest), nbytes of the leased exposure
 _MIN_POLL_S = 5e-5  # poll period while active; it doubles up to `idle_poll_s` when idle
 _LINGER_S = 0.05  # how long after the last message polling stays at _MIN_POLL_S
 
@@ -81,12 +89,15 @@ class NixlHandle(TransferHandle):
     reg_range: tuple[int, int]
     """(address, nbytes) of that registration in the source process."""
     addr: int
-    """Address of the tensor in the source process."""
+    """Address of the tensor in the source process (of its first segment, for a scatter list)."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """`expose_segments`' scatter list (address, nbytes) in the source; empty: `nbytes` at `addr`."""
 
 
 class NixlTransport(Transport):
     name = "nixl"
     handle_type = NixlHandle
+    supports_segments = True
 
     def __init__(
         self,
@@ -118,6 +129,7 @@ class NixlTransport(Transport):
         self._remote: dict[str, dict[str, tuple[int, int]]] = {}  # agent -> reg_id -> range
         self._peers: set[str] = set()  # agents we can notify
         self._acks: dict[int, Message] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # scatter exposures: handle id -> (digest, nbytes)
         self._stuck: list[tuple[object, torch.Tensor]] = []  # READs that could not be cancelled
         self._tokens = itertools.count(random.getrandbits(48))
         self._stop = threading.Event()
@@ -171,26 +183,57 @@ class NixlTransport(Transport):
             addr=tensor.data_ptr(),
         )
 
+    def expose_segments(self, pool: torch.Tensor, segments: Segments, shape: tuple[int, ...],
+                        dtype: torch.dtype) -> NixlHandle:
+        region = self._pool_for(pool)
+        if region is None:
+            raise ValueError("nixl: expose_segments needs a pool given to register_pool() first")
+        check_inside(segments, region.tensor, "nixl: expose_segments")
+        if self._closed:
+            raise KVTransferError(f"{self.name}: transport is closed; create a new one")
+        handle_id, nbytes = uuid.uuid4().hex, total_nbytes(segments)
+        self._spans[handle_id] = (digest(segments), nbytes)
+        self._leases.add(handle_id, pool, lambda: self._spans.pop(handle_id, None))
+        return NixlHandle(
+            transport=self.name, handle_id=handle_id, nbytes=nbytes, shape=tuple(shape),
+            dtype=str(dtype).removeprefix("torch."), agent_name=self._agent.name,
+            agent_metadata=self._agent.metadata(region), reg_id=region.reg_id,
+            reg_range=(region.addr, region.nbytes), addr=segments[0][0], segments=tuple(segments),
+        )
+
     def release(self, handle: TransferHandle) -> None:
         _run(self._leases.release(getattr(handle, "handle_id", "")))
 
     # -- destination side ----------------------------------------------------------------------
 
     def _fetch(self, handle: TransferHandle, out: torch.Tensor, deadline: float) -> None:
+        self._out_region(out)
+        self._read_into(handle, [(out.data_ptr(), out.nbytes)], out, deadline)
+
+    def _fetch_segments(self, handle: TransferHandle, pool: torch.Tensor, segments: Segments,
+                        deadline: float) -> None:
+        if self._pool_for(pool) is None:
+            raise KVTransferError("nixl: fetch_segments needs a pool given to register_pool() first")
+        self._read_into(handle, segments, pool, deadline)
+
+    def _read_into(self, handle: TransferHandle, local: Segments, keepalive: torch.Tensor,
+                   deadline: float) -> None:
+        """Lease the handle's exposure and READ it into `local` (registered memory)."""
         assert isinstance(handle, NixlHandle)
+        remote = list(handle.segments) or [(handle.addr, handle.nbytes)]
+        expected = (digest(remote), handle.nbytes) if handle.segments else (handle.addr, handle.nbytes)
         with self._fetch_lock:
-            self._out_region(out)
             self._load_peer(handle)
             token = next(self._tokens)
-            addr, nbytes = self._lease(handle, token, deadline)
+            span = self._lease(handle, token, deadline)
             try:
-                if (addr, nbytes) != (handle.addr, handle.nbytes):
+                if span != expected:
                     raise KVTransferError(
-                        f"nixl: handle {handle.handle_id} says {handle.nbytes} bytes at "
-                        f"{handle.addr:#x}, the source exposed {nbytes} at {addr:#x}: "
+                        f"nixl: handle {handle.handle_id} does not describe what the source "
+                        f"exposed under that id ({handle.nbytes} bytes at {handle.addr:#x}): "
                         "a forged or corrupted handle"
                     )
-                self._read(handle, out, token, deadline)
+                self._read(handle, *pair_up(local, remote), keepalive, token, deadline)
             except BaseException:
                 self._abort(handle, token)
                 raise
@@ -247,23 +290,25 @@ class NixlTransport(Transport):
             f"{handle.handle_id} before the timeout: the source is gone, closed, or stalled"
         )
 
-    def _read(self, handle: NixlHandle, out: torch.Tensor, token: int, deadline: float) -> None:
+    def _read(self, handle: NixlHandle, local: Segments, remote: Segments, keepalive: torch.Tensor,
+              token: int, deadline: float) -> None:
         done = Message(DONE, 0, handle.handle_id, token)
-        xfer, state = self._agent.start_read(out, handle.agent_name, handle.addr, done)
+        xfer, state = self._agent.start_read(local, handle.agent_name, remote, done)
+        stuck = False
         try:
             while state == "PROC" and time.monotonic() < deadline:
                 state = self._agent.state(xfer)
         finally:
             try:
                 self._agent.release_xfer(xfer)
-            except Exception:  # an unfinished READ cannot always be cancelled: keep `out` alive
+            except Exception:  # an unfinished READ cannot always be cancelled: keep memory alive
                 log.warning("nixl: could not release an unfinished transfer", exc_info=True)
-                self._stuck.append((xfer, out))
+                self._stuck.append((xfer, keepalive))
+                stuck = True
         if state != "DONE":
             what = "timed out" if state == "PROC" else f"ended in state {state}"
-            raise KVTransferError(
-                f"nixl: READ of {handle.nbytes} bytes from {handle.agent_name} {what}"
-            )
+            error = TransferStillRunningError if stuck else KVTransferError
+            raise error(f"nixl: READ of {handle.nbytes} bytes from {handle.agent_name} {what}")
 
     def _abort(self, handle: NixlHandle, token: int) -> None:
         try:
@@ -298,7 +343,8 @@ class NixlTransport(Transport):
             tensor = self._leases.acquire(message.handle_id, message.token, lease_s)
             status, payload = GONE, _ACK_PAYLOAD.pack(0, 0)
             if tensor is not None:
-                status, payload = OK, _ACK_PAYLOAD.pack(tensor.data_ptr(), tensor.nbytes)
+                span = self._spans.get(message.handle_id, (tensor.data_ptr(), tensor.nbytes))
+                status, payload = OK, _ACK_PAYLOAD.pack(*span)
             try:
                 self._agent.notify(
                     agent, Message(ACK, status, message.handle_id, message.token, payload)
