@@ -184,3 +184,30 @@ def test_read_and_write_tokens_by_runs_equal_slot_by_slot(slots):
     untouched = torch.ones(512, dtype=torch.bool)
     untouched[index] = False
     assert torch.equal(flat[:, :, untouched], before[:, :, untouched])
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_attention_reads_one_run_of_slots_in_place_and_equals_a_gather(q_len):
+    from aaflow.engine.attention import AttentionBatch, paged_attention
+    from aaflow.engine.kv_cache import KVLayout, PagedKVCache
+
+    cache = PagedKVCache(KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8,
+                                  dtype=torch.float32))
+    cache.tensor.copy_(torch.randn(cache.layout.shape))
+    ctx = 23
+    run = torch.arange(17, 17 + ctx)  # consecutive: read as views of the pool
+    scattered = torch.cat([torch.arange(40, 52), torch.arange(4, 15)])  # the same context elsewhere: gathered
+    cache._flat[:, :, scattered] = cache._flat[:, :, run]
+    q, k, v = torch.randn(q_len, 4, 8), torch.randn(q_len, 2, 8), torch.randn(q_len, 2, 8)
+
+    def attend(context):
+        if q_len == 1:
+            batch = AttentionBatch.decode(context[-1:], [context])
+        else:
+            batch = AttentionBatch.prefill(context[-q_len:], context, ctx - q_len)
+        return batch, paged_attention(1, q, k, v, cache, batch)
+
+    in_place, out = attend(run)
+    gathered, expected = attend(scattered)
+    assert in_place.read_start == 17 and gathered.read_start is None
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)

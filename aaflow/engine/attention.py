@@ -24,6 +24,7 @@ class AttentionBatch:
     read_slots: torch.Tensor | None  # [batch, ctx_len] slots of each full context; None: only the new tokens
     mask: torch.Tensor | None  # bool [batch, 1, q_len, ctx_len], True = may attend; None = see is_causal
     is_causal: bool  # plain causal attention among the new tokens (a fresh prefill)
+    read_start: int | None = None  # batch 1 whose context is one run of slots: it starts here (read in place)
 
     @classmethod
     def prefill(cls, write_slots: torch.Tensor, context_slots: torch.Tensor, start: int) -> "AttentionBatch":
@@ -34,7 +35,7 @@ class AttentionBatch:
         ctx = context_slots.numel()
         # query i (position start + i) sees keys 0..start + i
         mask = torch.arange(ctx)[None, :] <= (start + torch.arange(q_len))[:, None]  # [T, ctx]
-        return cls(1, q_len, write_slots, context_slots[None, :], mask[None, None], False)
+        return cls(1, q_len, write_slots, context_slots[None, :], mask[None, None], False, _run_start(context_slots))
 
     @classmethod
     def prefill_batch(cls, write_slots: list[torch.Tensor], contexts: list[torch.Tensor],
@@ -57,7 +58,17 @@ class AttentionBatch:
         mask = None
         if bool((lengths != ctx).any()):
             mask = (torch.arange(ctx)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
-        return cls(len(context_slots), 1, write_slots, padded, mask, False)
+        read_start = _run_start(context_slots[0]) if len(context_slots) == 1 else None
+        return cls(len(context_slots), 1, write_slots, padded, mask, False, read_start)
+
+
+def _run_start(slots: torch.Tensor) -> int | None:
+    """slots: [ctx] -> the first slot if they are consecutive (a fresh or imported sequence's blocks
+    usually are), else None: attention then reads K/V as views of the pool instead of gathering."""
+    first = int(slots[0])
+    if int(slots[-1]) - first != slots.numel() - 1 or not bool((slots[1:] - slots[:-1] == 1).all()):
+        return None
+    return first
 
 
 def _pad_slots(contexts: list[torch.Tensor]) -> torch.Tensor:
@@ -125,6 +136,11 @@ def write_and_gather(
     if batch.read_slots is None:
         kh = k.view(B, S, -1, dim).transpose(1, 2)  # [B, Hkv, S, D]
         vh = v.view(B, S, -1, dim).transpose(1, 2)
+    elif batch.read_start is not None:  # one run of slots: views of the pool, no copy
+        k_cache, v_cache = cache.layer(layer)
+        ctx, first = batch.read_slots.shape[1], batch.read_start
+        kh = k_cache[first:first + ctx].view(1, ctx, -1, dim).transpose(1, 2)  # [1, Hkv, ctx, D]
+        vh = v_cache[first:first + ctx].view(1, ctx, -1, dim).transpose(1, 2)
     else:
         k_cache, v_cache = cache.layer(layer)
         flat = batch.read_slots.reshape(-1)
