@@ -71,3 +71,23 @@ def test_packed_prefill_of_forks_equals_prefilling_each_alone(make_engine, tiny_
         engine.free(s)
         assert rel_err(logits[i], alone) <= 1e-5, f"sequence {i}: logits"
         assert rel_err(kv[i], ref_kv) <= 1e-5, f"sequence {i}: KV"
+
+
+def test_a_prefix_in_one_run_is_read_in_place_with_the_results_of_a_gather():
+    from aaflow.engine.attention import AttentionBatch
+    from aaflow.engine.cascade import CascadeBatch, cascade_attention
+    from aaflow.engine.kv_cache import KVLayout, PagedKVCache
+
+    cache = PagedKVCache(KVLayout(num_layers=1, num_blocks=32, block_size=4, num_kv_heads=2, head_dim=8,
+                                  dtype=torch.float32))
+    cache.tensor.copy_(torch.randn(cache.layout.shape))
+    run = torch.arange(8, 28)  # a 20-token prefix, consecutive
+    scattered = torch.cat([torch.arange(60, 72), torch.arange(40, 48)])  # the same prefix elsewhere
+    cache._flat[:, :, scattered] = cache._flat[:, :, run]
+    tails = [torch.arange(100, 103), torch.arange(110, 115)]  # two sequences' own tokens, the last is new
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    rest = AttentionBatch.decode(torch.stack([t[-1] for t in tails]), tails)
+    in_place, gathered = CascadeBatch(run, rest), CascadeBatch(scattered, rest)
+    assert in_place.prefix_start == 8 and gathered.prefix_start is None
+    torch.testing.assert_close(cascade_attention(0, q, k, v, cache, in_place),
+                               cascade_attention(0, q, k, v, cache, gathered), rtol=0, atol=1e-6)

@@ -35,7 +35,7 @@ class AttentionBatch:
         ctx = context_slots.numel()
         # query i (position start + i) sees keys 0..start + i
         mask = torch.arange(ctx)[None, :] <= (start + torch.arange(q_len))[:, None]  # [T, ctx]
-        return cls(1, q_len, write_slots, context_slots[None, :], mask[None, None], False, _run_start(context_slots))
+        return cls(1, q_len, write_slots, context_slots[None, :], mask[None, None], False, run_start(context_slots))
 
     @classmethod
     def prefill_batch(cls, write_slots: list[torch.Tensor], contexts: list[torch.Tensor],
@@ -58,11 +58,11 @@ class AttentionBatch:
         mask = None
         if bool((lengths != ctx).any()):
             mask = (torch.arange(ctx)[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
-        read_start = _run_start(context_slots[0]) if len(context_slots) == 1 else None
+        read_start = run_start(context_slots[0]) if len(context_slots) == 1 else None
         return cls(len(context_slots), 1, write_slots, padded, mask, False, read_start)
 
 
-def _run_start(slots: torch.Tensor) -> int | None:
+def run_start(slots: torch.Tensor) -> int | None:
     """slots: [ctx] -> the first slot if they are consecutive (a fresh or imported sequence's blocks
     usually are), else None: attention then reads K/V as views of the pool instead of gathering."""
     first = int(slots[0])

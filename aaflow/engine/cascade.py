@@ -10,11 +10,11 @@ the union of the two key sets).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from aaflow.engine.attention import AttentionBatch, PackedBatch, write_and_gather
+from aaflow.engine.attention import AttentionBatch, PackedBatch, run_start, write_and_gather
 from aaflow.engine.kv_cache import PagedKVCache
 
 # The second attention pass and the merge pay off once the prefix reads they save (shared tokens x
@@ -32,6 +32,10 @@ class CascadeBatch:
 
     prefix_slots: torch.Tensor  # [P]
     rest: AttentionBatch | PackedBatch
+    prefix_start: int | None = field(init=False)  # the prefix is one run of slots starting here: read in place
+
+    def __post_init__(self) -> None:
+        self.prefix_start = run_start(self.prefix_slots)
 
 
 def shared_prefix_blocks(block_tables: list[list[int]], block_size: int) -> int:
@@ -59,8 +63,12 @@ def cascade_attention(
     T, heads, dim = q.shape
     rest_out, rest_lse = _attend_with_lse(layer, q, k, v, cache, batch.rest)  # [T, H, D], [T, H]
     k_cache, v_cache = cache.layer(layer)
-    kp = k_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]  # [1, Hkv, P, D]
-    vp = v_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]
+    if batch.prefix_start is not None:  # views of the pool: no copy
+        first, n = batch.prefix_start, batch.prefix_slots.numel()
+        kp, vp = k_cache[first:first + n].transpose(0, 1)[None], v_cache[first:first + n].transpose(0, 1)[None]
+    else:
+        kp = k_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]  # [1, Hkv, P, D]
+        vp = v_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]
     kv_heads = kp.shape[1]
     group = heads // kv_heads
     qg = q.view(T, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * T, dim)
