@@ -26,7 +26,7 @@ from cluster.transports import (
     get_transport,
     register_transport,
 )
-from cluster.transports import base as transport_base
+from cluster.transports import registry as transport_registry
 from cluster.transports.base import as_bytes
 from cluster.transports.local import LocalHandle
 
@@ -238,7 +238,7 @@ class _NeverInstalled(Transport):
 
 
 def test_uninstalled_and_broken_backends_are_reported_not_raised(monkeypatch):
-    monkeypatch.setattr(transport_base, "_registry", dict(transport_base._registry))
+    monkeypatch.setattr(transport_registry, "_registry", dict(transport_registry._registry))
     register_transport("never", f"{__name__}:_NeverInstalled")
     register_transport("broken", "no_such_module_aaflow:Nothing")
     report = available_transports()

@@ -18,7 +18,8 @@ import torch
 from aaflow.errors import KVTransferError
 from costmodel.units import parse_bandwidth, parse_duration
 
-from .base import TransferHandle, Transport, get_transport
+from .base import TransferHandle, Transport
+from .registry import get_transport
 
 SPEC_FORM = "'BASE@BANDWIDTH[,LATENCY]', e.g. 'ray@10Gbps' or 'nixl@1GB/s,50us'"
 

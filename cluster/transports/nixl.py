@@ -14,14 +14,13 @@ Protocol, for one fetch of handle H (exposed by agent S) into `out` on agent D:
 4. D posts a READ of H's bytes into `out` with notification DONE(H, token), and polls
    `check_xfer_state` until DONE, ERR or the deadline (then it sends ABORT and raises).
 
-Progress: with UCX shared-memory transports (`posix`, `sysv`) a READ is emulated in
-software over active messages, so S must keep progressing its worker for the READ to
-advance. NIXL's own progress thread competes for the 2 cores here (2-5 GB/s), so each
-endpoint runs a Python thread that polls notifications: it spins while S holds leases and
-otherwise sleeps between polls: 50 us for 50 ms after the last message, then backing off
-to `idle_poll_s` (5 ms: an idle endpoint costs ~2.6% of a core, 1.3% of it NIXL's own;
-polling every 0.5 ms cost 10%). A BEGIN is answered within that
-period and turns spinning on; back-to-back fetches find the poller awake.
+Scatter lists (`expose_segments` / `fetch_segments`): H names pieces of S's registered pool
+instead of one tensor, `out` is pieces of D's registered pool, and one READ carries both
+descriptor lists split at each other's boundaries (`segments.pair_up`); the ACK then carries
+a digest of S's list instead of an address. A replica's KV moves pool to pool this way.
+
+Progress: the source must keep progressing its worker for a READ to advance over UCX's
+shared-memory transports; `_nixl_notifications.NotificationPoller` does it (and says how).
 
 `_nixl_agent.AgentHost` wraps the agent (locking, sealed metadata, UCX environment).
 
@@ -38,7 +37,6 @@ import itertools
 import logging
 import os
 import random
-import struct
 import threading
 import time
 import uuid
@@ -49,19 +47,9 @@ import torch
 
 from aaflow.errors import KVTransferError
 
-from ._leases import (
-    ABORT,
-    ACK,
-    BEGIN,
-    DONE,
-    GONE,
-    LEASE_GRACE_S,
-    OK,
-    LeaseTable,
-    Message,
-    lease_request,
-)
+from ._leases import ABORT, BEGIN, DONE, OK, LeaseTable, Message, lease_request
 from ._nixl_agent import AgentHost, Region
+from ._nixl_notifications import ACK_PAYLOAD, NotificationPoller, run_cleanups
 from .base import (
     TransferHandle,
     TransferStillRunningError,
@@ -72,9 +60,6 @@ from .base import (
 from .segments import Segments, check_inside, digest, pair_up, total_nbytes
 
 log = logging.getLogger(__name__)
-_ACK_PAYLOAD = struct.Struct("<QQ")  # address (a scatter list: its digest), nbytes of the leased exposure
-_MIN_POLL_S = 5e-5  # poll period while active; it doubles up to `idle_poll_s` when idle
-_LINGER_S = 0.05  # how long after the last message polling stays at _MIN_POLL_S
 
 
 @dataclass(frozen=True)
@@ -94,7 +79,7 @@ class NixlHandle(TransferHandle):
     """`expose_segments`' scatter list (address, nbytes) in the source; empty: `nbytes` at `addr`."""
 
 
-class NixlTransport(Transport):
+class NixlTransport(NotificationPoller, Transport):
     name = "nixl"
     handle_type = NixlHandle
     supports_segments = True
@@ -202,7 +187,7 @@ class NixlTransport(Transport):
         )
 
     def release(self, handle: TransferHandle) -> None:
-        _run(self._leases.release(getattr(handle, "handle_id", "")))
+        run_cleanups(self._leases.release(getattr(handle, "handle_id", "")))
 
     # -- destination side ----------------------------------------------------------------------
 
@@ -283,7 +268,7 @@ class NixlTransport(Transport):
                     f"nixl: handle {handle.handle_id} is released or unknown at the source "
                     f"{handle.agent_name}; expose the tensor again"
                 )
-            return _ACK_PAYLOAD.unpack(ack.payload)
+            return ACK_PAYLOAD.unpack(ack.payload)
         self._abort(handle, token)  # in case the BEGIN is answered after we gave up
         raise KVTransferError(
             f"nixl: no answer from source agent {handle.agent_name} for handle "
@@ -316,63 +301,6 @@ class NixlTransport(Transport):
         except KVTransferError:
             log.warning("nixl: could not send ABORT to %s", handle.agent_name, exc_info=True)
 
-    # -- notifications -------------------------------------------------------------------------
-
-    def _pump(self) -> bool:
-        """Progress the agent once and handle every notification that arrived (True if any)."""
-        messages = self._agent.notifications()
-        for agent, message in messages:
-            try:
-                self._on_message(agent, message)
-            except Exception:  # a bad peer message must not break our own fetch
-                log.exception("nixl: cannot handle %s from %s", message.kind, agent)
-        return bool(messages)
-
-    def _on_message(self, agent: str, message: Message) -> None:
-        if message.kind == ACK:
-            self._acks[message.token] = message
-        elif message.kind == DONE:
-            _run(self._leases.end(message.handle_id, message.token))
-        elif message.kind == ABORT:  # the reader gave up; its READ may still be draining
-            _run(self._leases.end(message.handle_id, message.token, grace_s=LEASE_GRACE_S))
-        elif message.kind == BEGIN:
-            if agent not in self._peers:
-                self._agent.load(message.payload)  # the reader's connection info
-                self._peers.add(agent)
-            lease_s = min(message.status, self._max_lease_s)
-            tensor = self._leases.acquire(message.handle_id, message.token, lease_s)
-            status, payload = GONE, _ACK_PAYLOAD.pack(0, 0)
-            if tensor is not None:
-                span = self._spans.get(message.handle_id, (tensor.data_ptr(), tensor.nbytes))
-                status, payload = OK, _ACK_PAYLOAD.pack(*span)
-            try:
-                self._agent.notify(
-                    agent, Message(ACK, status, message.handle_id, message.token, payload)
-                )
-            except KVTransferError:
-                log.warning("nixl: could not answer agent %s", agent, exc_info=True)
-                _run(self._leases.end(message.handle_id, message.token))
-
-    def _poll_loop(self) -> None:
-        """Spin while a peer holds a lease; otherwise poll with a backoff up to `idle_poll_s`."""
-        next_expiry = last_active = time.monotonic()
-        sleep_s = _MIN_POLL_S
-        while not self._stop.is_set():
-            try:
-                if self._pump() or self._leases.has_leases():
-                    last_active, sleep_s = time.monotonic(), _MIN_POLL_S
-                if time.monotonic() >= next_expiry:
-                    _run(self._leases.expire())
-                    next_expiry = time.monotonic() + 1.0
-            except Exception:  # keep serving other peers; one bad message must not stop us
-                log.exception("nixl: notification poller error")
-                self._stop.wait(0.1)
-            if self._leases.has_leases():
-                continue  # a peer is reading: keep progressing
-            self._stop.wait(sleep_s)
-            if time.monotonic() - last_active > _LINGER_S:
-                sleep_s = min(2 * sleep_s, self._idle_poll_s)
-
     # -- lifecycle -----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -381,14 +309,10 @@ class NixlTransport(Transport):
         self._closed = True
         self._stop.set()
         self._poller.join(timeout=5.0)
-        _run(self._leases.close())
+        run_cleanups(self._leases.close())
         for region in [*self._outs.values(), *self._pools]:
             self._agent.deregister(region)
         self._outs.clear()
         self._pools.clear()
         self._agent.close(self._peers)
 
-
-def _run(cleanups: list) -> None:
-    for cleanup in cleanups:
-        cleanup()

@@ -1,0 +1,67 @@
+"""The lazy backend registry: transports by name, imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .base import Transport, TransportUnavailableError
+
+_BUILTIN = {
+    "local": "cluster.transports.local:LocalTransport",
+    "ray": "cluster.transports.ray_store:RayStoreTransport",
+    "nixl": "cluster.transports.nixl:NixlTransport",
+    "ucx": "cluster.transports.ucx:UcxTransport",
+}
+_registry: dict[str, str] = dict(_BUILTIN)
+
+
+def register_transport(name: str, target: str) -> None:
+    """Register a backend as `"package.module:ClassName"`; imported only when used."""
+    if ":" not in target:
+        raise ValueError(f"transport target must look like 'module.path:ClassName', got {target!r}")
+    _registry[name] = target
+
+
+def _load(name: str) -> type[Transport]:
+    if name not in _registry:
+        raise ValueError(f"unknown transport {name!r}; registered: {sorted(_registry)}")
+    module_name, class_name = _registry[name].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"{_registry[name]} is not a Transport subclass")
+    return cls
+
+
+def get_transport(name: str, **kwargs: Any) -> Transport:
+    """Create the transport registered as `name` (kwargs go to its constructor).
+
+    A name with an `@` is an emulated link over a registered base, `"ray@10Gbps"` or
+    `"nixl@1Gbps,50us"` (see `cluster.transports.emulated`; kwargs go to the base).
+    Raises ValueError for an unknown name or a bad link spec and TransportUnavailableError
+    (a KVTransferError) naming the missing piece when the backend cannot run here.
+    """
+    if "@" in name:
+        from .emulated import emulated_link
+
+        return emulated_link(name, **kwargs)
+    cls = _load(name)
+    reason = cls.unavailable_reason()
+    if reason is not None:
+        raise TransportUnavailableError(f"transport {name!r} is unavailable: {reason}")
+    return cls(**kwargs)
+
+
+def available_transports() -> dict[str, bool | str]:
+    """Each registered transport mapped to True, or to the reason it cannot run here.
+
+    Imports only aaflow's thin backend modules, never the heavy packages behind them.
+    """
+    result: dict[str, bool | str] = {}
+    for name in sorted(_registry):
+        try:
+            reason = _load(name).unavailable_reason()
+        except Exception as err:  # a broken third-party registration must not hide the others
+            reason = f"cannot load {_registry[name]}: {err!r}"
+        result[name] = True if reason is None else reason
+    return result
