@@ -14,6 +14,7 @@ import re
 import socket
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -80,6 +81,7 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
     the expose call on the source and the receive (fetch + import) on the destination."""
     import ray
 
+    from cluster.transports.registry import moves_in_place
     from costmodel.calibration import fit_link
 
     src, dst = replicas[0], replicas[1]
@@ -93,6 +95,7 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
     refs = [ray.get(src.actor.materialize.remote([(7 * i + 11) % vocab for i in range(n)])) for n in tokens]
     try:
         for transport in transports:
+            in_place = moves_in_place(transport)
             samples = []
             for record in refs:
                 times = []
@@ -104,17 +107,19 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
                         nbytes, seconds = ray.get(dst.actor.calibrate_receive.remote(handle, shape, rec, transport))
                     finally:
                         ray.get(src.actor.release.remote(handle, transport))
-                    # the simulator charges the source nbytes / memcpy for the gather; the rest is the link's
-                    times.append(max(1e-6, exposed + seconds - nbytes / memcpy_bytes_per_s))
+                    # the simulator charges a staging source nbytes / memcpy for the gather; the rest is the link's
+                    gather = 0.0 if in_place else nbytes / memcpy_bytes_per_s
+                    times.append(max(1e-6, exposed + seconds - gather))
                 samples.append((nbytes, statistics.median(times[1:])))
             try:
-                links[transport] = fit_link(samples)
+                links[transport] = replace(fit_link(samples), in_place=in_place)
             except CostModelError:  # too noisy to separate latency from bandwidth: no latency term
                 nbytes, seconds = max(samples)
-                links[transport] = LinkProfile(nbytes / seconds, 0.0)
+                links[transport] = LinkProfile(nbytes / seconds, 0.0, in_place)
             samples_out[transport] = samples
             _say(progress, f"  link {transport}: {links[transport].bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
-                           f"{links[transport].latency_s * 1e3:.2f} ms latency")
+                           f"{links[transport].latency_s * 1e3:.2f} ms latency"
+                           + (" (in place: no staging copy)" if in_place else " (after the source's staging copy)"))
     finally:
         for record in refs:
             ray.get(src.actor.free.remote(record.id))

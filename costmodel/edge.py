@@ -16,8 +16,8 @@ simulation of the same setup must agree with them exactly:
    (PREFIX_BLOCK_TOKENS = 16 tokens each: floor(C / 16) * 16 tokens), so B prefills only the rest,
    with the cached tokens as context.
 4. transfer (same model only): P prefills C alone (materialize) from 0; then, on another replica, P
-   copies C's KV out (C * kv_bytes_per_token / memcpy_bytes_per_s, P busy), and only then runs A's
-   prefill of u with context C and A's decode. Q fetches the bytes when the copy ends
+   copies C's KV out (C * kv_bytes_per_token / memcpy_bytes_per_s, P busy; nothing for an in-place
+   link), and only then runs A's prefill of u with context C and A's decode. Q fetches the bytes when the copy ends
    (link.transfer_time, Q busy). B prefills O + t with context C at max(A's end, fetch end).
    On the same replica the prefix is forked: no copy, no fetch, 0 bytes moved.
 5. stream: Q prefills C at 0 (no context). Chunk i (i = 1..m, m = (O - 1) // chunk_tokens) holds A's
@@ -114,7 +114,8 @@ def predict_edge(case: EdgeCase, producer: ComputeProfile, consumer: ComputeProf
         producer / consumer: compute profiles of A's and B's replicas (the same one on the same replica).
         model: the model whose KV would move (the shared model; used for transfer bytes only).
         link: the link P -> Q; None disables the transfer strategies across replicas.
-        memcpy_bytes_per_s: copy bandwidth on P (KV copied out of the pool before it is sent).
+        memcpy_bytes_per_s: copy bandwidth on P (KV copied out of the pool before it is sent, unless
+            `link.in_place`).
     """
     if memcpy_bytes_per_s <= 0:
         raise CostModelError(f"memcpy_bytes_per_s must be positive, got {memcpy_bytes_per_s!r}")
@@ -146,7 +147,7 @@ def predict_edge(case: EdgeCase, producer: ComputeProfile, consumer: ComputeProf
         nbytes, a_start, fetched = 0, materialized, 0.0
     else:
         nbytes = c * model.kv_bytes_per_token
-        a_start = materialized + nbytes / memcpy_bytes_per_s
+        a_start = materialized + link.source_copy_time(nbytes, memcpy_bytes_per_s)
         fetched = a_start + link.transfer_time(nbytes)
     a_shared = _token_times(a_start + producer.prefill_time(u, c), c + u, o, producer)
     a_end = a_shared[-1]

@@ -87,10 +87,14 @@ class ComputeProfile:
 
 @dataclass(frozen=True)
 class LinkProfile:
-    """A transport between two replicas: bandwidth (bytes/s) and per-transfer latency (s)."""
+    """A transport between two replicas: bandwidth (bytes/s) and per-transfer latency (s).
+
+    `in_place`: the transport reads the KV where it lies in the source's pool (NIXL scatter lists);
+    otherwise the source first copies it out at memcpy speed (`source_copy_time`)."""
 
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0:  # inf is allowed: a link that costs only its latency
@@ -101,6 +105,10 @@ class LinkProfile:
     def transfer_time(self, nbytes: int) -> float:
         """Seconds to move `nbytes` in one transfer."""
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+    def source_copy_time(self, nbytes: int, memcpy_bytes_per_s: float) -> float:
+        """Seconds the source spends copying `nbytes` out of its pool before the link moves them."""
+        return 0.0 if self.in_place else nbytes / memcpy_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,7 @@ class HardwareProfile:
         compute = {str(m): ComputeProfile(**_numbers(_keys(c, ComputeProfile, f"{name}.compute.{m}"),
                                                      f"{name}.compute.{m}"))
                    for m, c in (d.get("compute") or {}).items()}
-        links = {str(k): LinkProfile(**_numbers(_keys(v, LinkProfile, f"{name}.links.{k}"), f"{name}.links.{k}"))
+        links = {str(k): _link(_keys(v, LinkProfile, f"{name}.links.{k}"), f"{name}.links.{k}")
                  for k, v in (d.get("links") or {}).items()}
         scalars = {k: v for k, v in d.items() if k not in ("name", "measured", "source", "compute", "links")}
         return cls(name=name, measured=d["measured"], source=str(d.get("source", "")), compute=compute,
@@ -232,6 +240,14 @@ def _keys(d, cls, where: str) -> dict:
     if missing:
         raise CostModelError(f"{where}: missing key(s) {missing}")
     return d
+
+
+def _link(d: dict, where: str) -> LinkProfile:
+    d = dict(d)
+    in_place = d.pop("in_place", False)
+    if not isinstance(in_place, bool):
+        raise CostModelError(f"{where}: in_place must be true or false, got {in_place!r}")
+    return LinkProfile(**_numbers(d, where), in_place=in_place)
 
 
 def _numbers(d: dict, where: str) -> dict:

@@ -152,7 +152,8 @@ def _reason(task: AgentTask, decisions: dict[str, str], result: SimResult, spec:
     parts = []
     if strategy in ("transfer", "transfer+stream") and n:
         nbytes = n * model.kv_bytes_per_token
-        transfer_s = nbytes / hardware.memcpy_bytes_per_s + hardware.link(cluster.link).transfer_time(nbytes)
+        link = hardware.link(cluster.link)
+        transfer_s = link.source_copy_time(nbytes, hardware.memcpy_bytes_per_s) + link.transfer_time(nbytes)
         if timing.prefix_via == "transfer":
             cmp = "<" if transfer_s < recompute_s else ">="
             parts.append(f"prefix of {n:,} tokens sent to {timing.replica}: transfer {format_seconds(transfer_s)} "

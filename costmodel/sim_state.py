@@ -159,7 +159,8 @@ class PrefixSharing:
             self._call(dest, "transfer", lambda: (self.overhead + self.link.transfer_time(nbytes), None),
                        then=received)
 
-        self._call(source, "transfer", lambda: (self.overhead + nbytes / self.memcpy_bytes_per_s, None),
+        self._call(source, "transfer",
+                   lambda: (self.overhead + self.link.source_copy_time(nbytes, self.memcpy_bytes_per_s), None),
                    then=exposed)
 
     def _prefix_ready(self, key: tuple[str, str], rname: str, prefix_tokens: int, received: bool) -> None:

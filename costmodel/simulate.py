@@ -7,8 +7,9 @@ It mirrors the executor method by method (`_open_if_ready`, `_place`, `_launch`,
 the same alternation of batched decode steps and queued calls, the same streaming rule. Call
 costs: every call pays `call_overhead_s`; a prefill of n new tokens after c held ones costs
 `prefill_time(n, c)`; a decode step `decode_step_time(batch, mean context)`; exposing a prefix
-`nbytes / memcpy_bytes_per_s` on the source, receiving it `link.transfer_time(nbytes)` on the
-destination. No early end-of-sequence: every agent generates exactly `output_tokens`.
+`link.source_copy_time` on the source (a staging copy; nothing in place), receiving it
+`link.transfer_time(nbytes)` on the destination. No early end-of-sequence: every agent generates
+exactly `output_tokens`.
 """
 
 from __future__ import annotations

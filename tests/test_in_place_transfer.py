@@ -110,3 +110,23 @@ def test_a_failed_in_place_fetch_frees_what_it_reserved(two_replicas):
         dst.receive(handle, shape, record, "nixl", timeout_s=5)
     assert dst.stats()["used_blocks"] == 0 and dst.stats()["refs"] == 0
     src.free(record.id)
+
+
+def test_an_in_place_link_costs_the_source_no_staging_copy():
+    from costmodel.edge import EdgeCase, predict_edge
+    from costmodel.hardware import HardwareProfile, LinkProfile, load_hardware
+    from costmodel.model_profile import KNOWN_MODELS
+
+    model, hw = KNOWN_MODELS["smollm2"], load_hardware("a100-80gb")
+    compute = hw.compute_for(model)
+    case = EdgeCase(4096, 8, 5, 4, 3, chunk_tokens=2)
+    nbytes = 4096 * model.kv_bytes_per_token
+    staged, in_place = LinkProfile(1e9, 1e-3), LinkProfile(1e9, 1e-3, in_place=True)
+    assert staged.source_copy_time(nbytes, 1e9) == nbytes / 1e9 and in_place.source_copy_time(nbytes, 1e9) == 0
+    ends = [predict_edge(case, compute, compute, model, link, 1e9)["transfer"] for link in (staged, in_place)]
+    assert ends[1].end_s < ends[0].end_s
+    saved = hw.with_link("nixl", in_place).to_dict()
+    assert HardwareProfile.from_dict(saved).links["nixl"].in_place is True
+    saved["links"]["nixl"]["in_place"] = "yes"
+    with pytest.raises(Exception, match="in_place must be true or false"):
+        HardwareProfile.from_dict(saved)

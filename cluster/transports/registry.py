@@ -52,6 +52,12 @@ def get_transport(name: str, **kwargs: Any) -> Transport:
     return cls(**kwargs)
 
 
+def moves_in_place(name: str) -> bool:
+    """Whether transport `name` reads and writes pool memory in place (`Transport.supports_segments`):
+    a replica then moves KV with no staging copy. Emulated links (`"nixl@1Gbps"`) stage."""
+    return "@" not in name and _load(name).supports_segments
+
+
 def available_transports() -> dict[str, bool | str]:
     """Each registered transport mapped to True, or to the reason it cannot run here.
 
