@@ -11,6 +11,8 @@ from aaflow.errors import KVImportError
 
 
 class KVImportExport:
+    """Export, import and in-place import of sequences' KV (mixed into `KVRunner`)."""
+
     def export_kv(self, seq_id: int, out: torch.Tensor | None = None) -> KVExport:
         """The sequence's KV as one contiguous [layers, 2, n, kv_heads, head_dim] tensor (a copy,
         written into `out` when given: a reusable, transport-registered staging buffer)."""
@@ -22,11 +24,12 @@ class KVImportExport:
 
         `cacheable=False` marks approximate KV, which must never serve prefix-cache hits.
         """
+        self._check_model(export.fingerprint)
         lay = self.layout
         expected = (lay.num_layers, 2, len(export.token_ids), lay.num_kv_heads, lay.head_dim)
-        if export.fingerprint == self.fingerprint and tuple(export.kv.shape) != expected:
+        if tuple(export.kv.shape) != expected:
             raise KVImportError(f"KV shape {tuple(export.kv.shape)} does not match this engine's {expected}")
-        if export.fingerprint == self.fingerprint and export.kv.dtype != lay.dtype:
+        if export.kv.dtype != lay.dtype:
             raise KVImportError(f"KV dtype {export.kv.dtype} does not match this engine's {lay.dtype}")
         seq_id = self.reserve_kv(export.fingerprint, export.token_ids, cacheable)
         self.cache.write_tokens(self.kv_slots(seq_id), export.kv)
@@ -39,11 +42,7 @@ class KVImportExport:
         The caller writes its KV (`kv_slots`; a transport reading straight into the pool), then
         calls `seal_kv`, or frees it. Until sealed, none of its blocks can serve a prefix-cache hit.
         """
-        if fingerprint != self.fingerprint:
-            raise KVImportError(
-                f"KV was computed by model {fingerprint[:16]}..., this engine is "
-                f"{self.fingerprint[:16]}...; recompute from text on this engine instead"
-            )
+        self._check_model(fingerprint)
         if not token_ids:
             raise KVImportError("cannot import an empty KV export")
         seq = Sequence(next(self._ids), cacheable=cacheable)
@@ -53,6 +52,13 @@ class KVImportExport:
         seq.token_ids = list(token_ids)
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
+
+    def _check_model(self, fingerprint: str) -> None:
+        if fingerprint != self.fingerprint:
+            raise KVImportError(
+                f"KV was computed by model {fingerprint[:16]}..., this engine is "
+                f"{self.fingerprint[:16]}...; recompute from text on this engine instead"
+            )
 
     def kv_slots(self, seq_id: int) -> torch.Tensor:
         """[len(seq)] pool slots of the sequence's tokens, in order."""

@@ -192,36 +192,38 @@ class NixlTransport(NotificationPoller, Transport):
     # -- destination side ----------------------------------------------------------------------
 
     def _fetch(self, handle: TransferHandle, out: torch.Tensor, deadline: float) -> None:
-        self._out_region(out)
-        self._read_into(handle, [(out.data_ptr(), out.nbytes)], out, deadline)
+        with self._fetch_lock:
+            self._out_region(out)
+            self._read_into(handle, [(out.data_ptr(), out.nbytes)], out, deadline)
 
     def _fetch_segments(self, handle: TransferHandle, pool: torch.Tensor, segments: Segments,
                         deadline: float) -> None:
         if self._pool_for(pool) is None:
             raise KVTransferError("nixl: fetch_segments needs a pool given to register_pool() first")
-        self._read_into(handle, segments, pool, deadline)
+        with self._fetch_lock:
+            self._read_into(handle, segments, pool, deadline)
 
     def _read_into(self, handle: TransferHandle, local: Segments, keepalive: torch.Tensor,
                    deadline: float) -> None:
-        """Lease the handle's exposure and READ it into `local` (registered memory)."""
+        """Lease the handle's exposure and READ it into `local` (registered memory). Holds the
+        fetch lock."""
         assert isinstance(handle, NixlHandle)
         remote = list(handle.segments) or [(handle.addr, handle.nbytes)]
         expected = (digest(remote), handle.nbytes) if handle.segments else (handle.addr, handle.nbytes)
-        with self._fetch_lock:
-            self._load_peer(handle)
-            token = next(self._tokens)
-            span = self._lease(handle, token, deadline)
-            try:
-                if span != expected:
-                    raise KVTransferError(
-                        f"nixl: handle {handle.handle_id} does not describe what the source "
-                        f"exposed under that id ({handle.nbytes} bytes at {handle.addr:#x}): "
-                        "a forged or corrupted handle"
-                    )
-                self._read(handle, *pair_up(local, remote), keepalive, token, deadline)
-            except BaseException:
-                self._abort(handle, token)
-                raise
+        self._load_peer(handle)
+        token = next(self._tokens)
+        span = self._lease(handle, token, deadline)
+        try:
+            if span != expected:
+                raise KVTransferError(
+                    f"nixl: handle {handle.handle_id} does not describe what the source "
+                    f"exposed under that id ({handle.nbytes} bytes at {handle.addr:#x}): "
+                    "a forged or corrupted handle"
+                )
+            self._read(handle, *pair_up(local, remote), keepalive, token, deadline)
+        except BaseException:
+            self._abort(handle, token)
+            raise
 
     def _out_region(self, out: torch.Tensor) -> None:
         """Make sure `out` lies in registered memory: a pool, or a cached registration."""
