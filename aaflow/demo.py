@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from configs import CONFIG_DIR
 
 
-def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "bfloat16") -> int:
+def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "bfloat16", rounds: int = 2) -> int:
+    """Run the workflow with `text` and with `auto`, alternating, `rounds` times each from cold prefix
+    caches; print the answers, both runs' tables and the median speedup."""
     import aaflow as af
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     path = workflow_path or str(CONFIG_DIR / "workflows" / "review.yaml")
     wf = af.load_workflow(path)
     models = {a.model for a in wf.agents()}
@@ -20,23 +25,31 @@ def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "
     cluster = af.init(replicas={m: replicas for m in models}, dtype=dtype)
     print(f"cluster ready in {time.perf_counter() - t0:.1f} s: {[r.name for r in cluster.replicas()]}\n", flush=True)
     try:
-        results = {}
-        for strategy in ("text", "auto"):
-            for r in cluster.replicas():  # both runs start cold
-                r.actor.clear_prefix_cache.remote()
-            print(f"running with strategy={strategy} ...", flush=True)
-            results[strategy] = af.run(wf, cluster, strategy=strategy)
+        results, walls = {}, {"text": [], "auto": []}
+        for i in range(rounds):  # alternating, so that both strategies see the same machine
+            for strategy in walls:
+                for r in cluster.replicas():  # every run starts cold
+                    r.actor.clear_prefix_cache.remote()
+                print(f"round {i + 1}/{rounds}: running with strategy={strategy} ...", flush=True)
+                results[strategy] = af.run(wf, cluster, strategy=strategy)
+                walls[strategy].append(results[strategy].wall_s)
         auto, text = results["auto"], results["text"]
         for name, agent in auto.agents.items():
             print(f"--- {name} ---\n{agent.text.strip()}\n")
         print(text.summary(), "\n")
         print(auto.summary(), "\n")
         same = all(auto[n].token_ids == text[n].token_ids for n in auto.agents)
-        print(f"end-to-end: text {text.wall_s:.2f} s, auto {auto.wall_s:.2f} s -> "
-              f"{text.wall_s / auto.wall_s:.2f}x faster; prefill tokens computed {text.metrics['prefill_computed']} "
+        text_s, auto_s = statistics.median(walls["text"]), statistics.median(walls["auto"])
+        print(f"end-to-end, median of {rounds} round(s): text {text_s:.2f} s, auto {auto_s:.2f} s -> "
+              f"{text_s / auto_s:.2f}x faster (each run: text {_seconds(walls['text'])}, "
+              f"auto {_seconds(walls['auto'])}); prefill tokens computed {text.metrics['prefill_computed']} "
               f"-> {auto.metrics['prefill_computed']}; outputs identical to text: {same}"
               + ("" if same or dtype == "float32" else " (bf16 chunking can flip near-tied tokens; "
                  "use --dtype float32 for exact equality)"))
     finally:
         cluster.shutdown()
     return 0
+
+
+def _seconds(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f} s" for v in values)

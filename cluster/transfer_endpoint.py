@@ -146,7 +146,8 @@ class TransferEndpoint:
                                 f"{expected} {str(lay.dtype).removeprefix('torch.')}")
         in_place = self._in_place(transport)
         fetch = self._fetch_in_place if in_place is not None else self._fetch_staged
-        seq, stats = _as_transfer_error(transport, self.name, lambda: fetch(handle, shape, record, transport, timeout_s))
+        seq, stats = _as_transfer_error(transport, self.name,
+                                        lambda: fetch(handle, shape, record, transport, timeout_s))
         lineage = Lineage("transfer", (record.id,), (("from", record.replica), ("transport", transport)))
         return self._record(self.host.register(seq, lineage, record.fidelity)), stats
 
