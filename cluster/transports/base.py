@@ -273,6 +273,3 @@ def package_missing(*modules: str) -> str | None:
         if importlib.util.find_spec(module) is None:
             return f"package providing '{module}' is not installed"
     return None
-
-
-# -- registry ----------------------------------------------------------------------------------
