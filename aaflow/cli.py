@@ -27,7 +27,7 @@ DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste comput
 def _demo(args) -> int:
     from aaflow.demo import run_demo
 
-    return run_demo(args.workflow, args.replicas, args.dtype, args.rounds)
+    return run_demo(args.workflow, args.replicas, args.dtype, args.rounds, args.doc_tokens)
 
 
 def _chat(args) -> int:
@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--replicas", type=int, default=2)
     demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     demo.add_argument("--rounds", type=int, default=2, help="runs of each strategy, alternating (median reported)")
+    demo.add_argument("--doc-tokens", type=int, default=2000,
+                      help="the shipped review's paper repeated to about this many tokens (0: once, ~560)")
     demo.set_defaults(func=_demo)
 
     chat = sub.add_parser("chat", help="load a model with the built-in engine and answer one chat prompt")

@@ -8,17 +8,43 @@ import time
 from configs import CONFIG_DIR
 
 
-def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "bfloat16", rounds: int = 2) -> int:
+PAPER_TOKENS = 560  # SmolLM2 tokens in configs/workflows/paper.txt
+
+
+def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
+    """The shipped review workflow (`configs/workflows/review.yaml`), its paper repeated to about
+    `doc_tokens` tokens (0: once, ~560 tokens); `ignore_eos` fixes every agent's output length
+    (benchmarks)."""
+    import aaflow as af
+
+    wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
+    if doc_tokens <= PAPER_TOKENS and not ignore_eos:
+        return wf
+    text = (CONFIG_DIR / "workflows" / "paper.txt").read_text()
+    copies = max(1, round(doc_tokens / PAPER_TOKENS))
+    raw = {"name": "review", "contexts": {"paper": "\n\n".join([text] * copies)},
+           "agents": {a.name: {"model": a.model, "max_tokens": a.max_tokens, "ignore_eos": ignore_eos,
+                               "prompt": [p if isinstance(p, str) else {"ref": p.name} for p in a.prompt]}
+                      for a in wf.agents()}}
+    return af.workflow.workflow_from_dict(raw)
+
+
+def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "bfloat16", rounds: int = 2,
+             doc_tokens: int = 2000) -> int:
     """Run the workflow with `text` and with `auto`, alternating, `rounds` times each from cold prefix
-    caches; print the answers, both runs' tables and the median speedup."""
+    caches; print the answers, both runs' tables and the median speedup. Without `workflow_path`, the
+    shipped review workflow over its paper repeated to about `doc_tokens` tokens."""
     import aaflow as af
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    path = workflow_path or str(CONFIG_DIR / "workflows" / "review.yaml")
-    wf = af.load_workflow(path)
+    if workflow_path:
+        wf, where = af.load_workflow(workflow_path), workflow_path
+    else:
+        wf = review_workflow(doc_tokens)
+        where = f"configs/workflows/review.yaml, its paper repeated to ~{max(doc_tokens, PAPER_TOKENS):,} tokens"
     models = {a.model for a in wf.agents()}
-    print(f"aaflow demo: workflow {wf.name!r} ({len(wf.agents())} agents) from {path}")
+    print(f"aaflow demo: workflow {wf.name!r} ({len(wf.agents())} agents) from {where}")
     print(f"starting a local Ray cluster with {replicas} replica(s) of {', '.join(sorted(models))} ({dtype}) ...",
           flush=True)
     t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from aaflow.demo import review_workflow
 from aaflow.engine.engine import DEFAULT_KV_CACHE_BYTES
 from benchmarks.common import log, machine_facts, write_json
 from configs import CONFIG_DIR
@@ -31,19 +32,6 @@ def _pair_workflow(concurrency: int, system_prompt: str, a_tokens: int, b_model:
         wf.agent(f"B{i}", b_model, [guide, "Draft to improve:", a, "Rewrite it in one sentence."], max_tokens=16,
                  ignore_eos=True)
     return wf
-
-
-def _review_workflow(doc_tokens_target: int):
-    import aaflow as af
-
-    wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
-    text = (CONFIG_DIR / "workflows" / "paper.txt").read_text()
-    repeats = max(1, round(doc_tokens_target / 560))
-    raw = {"name": "review", "contexts": {"paper": "\n\n".join([text] * repeats)},
-           "agents": {a.name: {"model": a.model, "max_tokens": a.max_tokens, "ignore_eos": True,
-                               "prompt": [p if isinstance(p, str) else {"ref": p.name} for p in a.prompt]}
-                      for a in wf.agents()}}
-    return af.workflow.workflow_from_dict(raw)
 
 
 def _cold_run(cluster, wf, strategy, chunk_tokens):
@@ -100,7 +88,7 @@ def run(args) -> dict:
 
 
 def _map_reduce(cluster, args) -> dict:
-    wf = _review_workflow(args.doc_tokens)
+    wf = review_workflow(args.doc_tokens, ignore_eos=True)
     samples = {s: [] for s in ("text", "auto")}
     planning = []
     for _ in range(args.repeats):

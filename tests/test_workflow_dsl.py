@@ -114,3 +114,14 @@ def test_load_workflow_reports_bad_yaml(tmp_path):
         af.load_workflow(bad)
     with pytest.raises(af.WorkflowError, match="does not exist"):
         af.load_workflow(tmp_path / "none.yaml")
+
+
+def test_the_demo_review_workflow_repeats_its_paper_and_keeps_its_agents():
+    from aaflow.demo import review_workflow
+
+    shipped, long = review_workflow(0), review_workflow(2000)
+    paper = shipped.nodes["paper"].text
+    assert long.nodes["paper"].text == "\n\n".join([paper] * 4)  # 2,000 / 560 tokens per copy
+    assert [(a.name, a.prompt, a.max_tokens, a.ignore_eos) for a in long.agents()] == \
+        [(a.name, a.prompt, a.max_tokens, a.ignore_eos) for a in shipped.agents()]
+    assert all(a.ignore_eos for a in review_workflow(2000, ignore_eos=True).agents())
