@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
 import aaflow as af
 from tests.cluster_checks import assert_no_kv_left
@@ -114,7 +115,9 @@ def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strateg
         assert computed == sum(prompts) + decode_steps and res.metrics["prefill_reused"] == 0
     elif strategy == "transfer+stream":
         shared = res["a0"].prefill_reused
-        assert shared >= len(DOC.encode()) and res.metrics["bytes_moved"] > 0
+        per_token = ray.get(cluster.replicas()[0].actor.info.remote())["bytes_per_token"]
+        assert shared >= len(DOC.encode())
+        assert res.metrics["bytes_moved"] == shared * per_token, "the prefix crosses to the other replica once"
         assert computed == shared + sum(p - shared for p in prompts) + decode_steps
         assert res.metrics["prefill_computed"] == computed - decode_steps  # the shared prefix is counted once
     else:

@@ -60,8 +60,9 @@ class PrefixSharing:
 
     def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
         self.prefix_refs.setdefault(prefix, {})[replica.name] = ref_id
-        for agent in self.prefix_waiters.pop(prefix + (replica.name,), []):
-            agent.result.bytes_moved += nbytes
+        for i, agent in enumerate(self.prefix_waiters.pop(prefix + (replica.name,), [])):
+            if i == 0:  # one transfer serves every waiter: count its bytes once, for the first
+                agent.result.bytes_moved += nbytes
             self._with_prefix(agent, prefix)
         for key, waiters in list(self.prefix_waiters.items()):  # replicas waiting for this prefix
             if key[:-1] == prefix and waiters and key not in self.transferring:
