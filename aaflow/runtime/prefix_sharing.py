@@ -60,9 +60,10 @@ class PrefixSharing:
 
     def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
         self.prefix_refs.setdefault(prefix, {})[replica.name] = ref_id
-        for i, agent in enumerate(self.prefix_waiters.pop(prefix + (replica.name,), [])):
-            if i == 0:  # one transfer serves every waiter: count its bytes once, for the first
-                agent.result.bytes_moved += nbytes
+        waiters = self.prefix_waiters.pop(prefix + (replica.name,), [])
+        if waiters:  # one transfer serves every waiter: its bytes count once, for the first
+            waiters[0].result.bytes_moved += nbytes
+        for agent in waiters:
             self._with_prefix(agent, prefix)
         for key, waiters in list(self.prefix_waiters.items()):  # replicas waiting for this prefix
             if key[:-1] == prefix and waiters and key not in self.transferring:
