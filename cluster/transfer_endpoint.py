@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from aaflow.errors import AAFlowError, KVImportError, KVTransferError, ModelMismatchError
+from cluster.transports.base import TransferStillRunningError
 from operators import KVPayload, Lineage
 
 log = logging.getLogger(__name__)
@@ -153,8 +154,6 @@ class TransferEndpoint:
 
     def _fetch_in_place(self, handle, shape: KVShape, record, transport: str, timeout_s: float):
         """Reserve blocks, let the transport write them, seal them: (sequence, stats)."""
-        from cluster.transports.base import TransferStillRunningError
-
         seq = self.engine.reserve_kv(shape.fingerprint, record.token_ids, cacheable=record.exact)
         try:
             stats = self._transport(transport).fetch_segments(
