@@ -91,3 +91,57 @@ def test_a_prefix_in_one_run_is_read_in_place_with_the_results_of_a_gather():
     assert in_place.prefix_start == 8 and gathered.prefix_start is None
     torch.testing.assert_close(cascade_attention(0, q, k, v, cache, in_place),
                                cascade_attention(0, q, k, v, cache, gathered), rtol=0, atol=1e-6)
+
+
+def test_leading_run_blocks_splits_off_a_long_run_before_the_new_tokens():
+    from aaflow.engine.cascade import SPLIT_MIN_RUN_TOKENS, leading_run_blocks
+
+    long_run = SPLIT_MIN_RUN_TOKENS // 16 + 2
+    table = list(range(5, 5 + long_run)) + [90]
+    assert leading_run_blocks(table, long_run, 16) == long_run
+    assert leading_run_blocks(table, long_run - 1, 16) == long_run - 1  # never past the first new token
+    assert leading_run_blocks(list(range(10)) + [90], 10, 16) == 0  # too short to pay off
+    broken = list(range(long_run // 2)) + [90] + list(range(long_run // 2 + 1, long_run))
+    assert leading_run_blocks(broken, long_run, 16) == 0  # the run ends at block 90
+
+
+def test_one_sequence_over_a_split_context_equals_one_pass(make_engine, tiny_llama_dir, monkeypatch):
+    """A context whose first blocks lie in one run and whose last ones lie elsewhere (another sequence
+    took the block in between): chunk prefill and decode attend to the run in place and the rest
+    gathered, with the logits and KV of one-pass prefill."""
+    from aaflow.engine import cascade
+
+    monkeypatch.setattr(cascade, "SPLIT_MIN_RUN_TOKENS", 128)  # the tiny model has 512 positions
+    engine = make_engine(tiny_llama_dir, num_blocks=128, dtype="float32")
+    context = CONTEXT  # 18 full blocks + 12 tokens
+    seq, other = engine.new_sequence(), engine.new_sequence()
+    engine.prefill(seq, context)
+    engine.prefill(other, [7] * 16)  # takes the block right after seq's
+    tail = list(range(100, 130))
+    chunk_logits = engine.prefill(seq, tail)
+    table = engine.runner.get(seq).block_table
+    assert table[:19] == list(range(19)) and table[19] == 20  # another sequence holds block 19
+    assert cascade.leading_run_blocks(table, len(context) // 16, 16) == 18  # the split path is taken
+    step_logits = engine.decode([seq], [77])[0]
+    kv = engine.export_kv(seq).kv
+    for s in (seq, other):
+        engine.free(s)
+    s = engine.new_sequence()
+    alone = engine.prefill(s, context + tail, reuse_prefix=False)
+    alone_step = engine.decode([s], [77])[0]
+    ref_kv = engine.export_kv(s).kv
+    engine.free(s)
+    assert rel_err(chunk_logits, alone) <= 1e-5
+    assert rel_err(step_logits, alone_step) <= 1e-5
+    assert rel_err(kv, ref_kv) <= 1e-5
+
+
+def test_free_blocks_are_handed_out_lowest_first():
+    from aaflow.engine.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=8, block_size=16)
+    taken = [blocks.allocate() for _ in range(6)]
+    for b in (4, 1, 5, 2):
+        blocks.release(b)
+    assert [blocks.allocate() for _ in range(4)] == [1, 2, 4, 5]  # not in release order
+    assert taken == list(range(6))

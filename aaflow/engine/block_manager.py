@@ -4,11 +4,14 @@ Knows block ids and token ids, never tensors. A full block whose KV has been com
 *sealed*: registered under a hash chained over every token before it, so that a later
 sequence with the same prefix reuses it, even while the sequence that made it is still running.
 Released sealed blocks stay cached (evictable, least recently released first) until needed.
+Plain free blocks are handed out lowest id first, so that a sequence's blocks tend to lie in one
+run of the pool: attention and in-place transfers then read them as a few large views.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aaflow.errors import KVCapacityError
@@ -47,7 +50,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._free_uncached: list[int] = list(range(num_blocks))  # a heap: lowest id first
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self._hash_of: dict[int, int] = {}  # sealed block -> its chain hash
         self._tokens_of: dict[int, tuple[int, ...]] = {}  # sealed block -> its tokens (checked on hit)
@@ -73,9 +76,9 @@ class BlockManager:
 
     # --- allocation -----------------------------------------------------------------------
     def allocate(self) -> int:
-        """Take a free block (uncached first, then the least recently released cached one)."""
+        """Take a free block (the lowest uncached one, else the least recently released cached one)."""
         if self._free_uncached:
-            block = self._free_uncached.popleft()
+            block = heapq.heappop(self._free_uncached)
         elif self._free_cached:
             block, _ = self._free_cached.popitem(last=False)
             self._unseal(block)
@@ -98,7 +101,7 @@ class BlockManager:
             if block in self._hash_of:
                 self._free_cached[block] = None
             else:
-                self._free_uncached.append(block)
+                heapq.heappush(self._free_uncached, block)
 
     # --- prefix cache ---------------------------------------------------------------------
     def seal(self, block: int, prev_hash: int, tokens: tuple[int, ...]) -> int:
@@ -121,6 +124,7 @@ class BlockManager:
         self._hash_of.clear()
         self._tokens_of.clear()
         self._free_uncached.extend(self._free_cached)
+        heapq.heapify(self._free_uncached)
         self._free_cached.clear()
 
     def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:

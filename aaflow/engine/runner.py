@@ -11,7 +11,7 @@ import torch
 
 from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
-from aaflow.engine.cascade import CascadeBatch, shared_prefix_blocks
+from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefix_blocks
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.kv_io import KVImportExport
@@ -227,7 +227,7 @@ class KVRunner(KVImportExport):
         starts = [len(seq) for seq in seqs]
         for seq, chunk in zip(seqs, chunks):
             self._grow(seq, len(chunk))
-        shared = shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs  # tokens every context starts with
+        shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
         parts, positions = [], []
         for seq, chunk, start in zip(seqs, chunks, starts):
             stop = start + len(chunk)
@@ -246,6 +246,15 @@ class KVRunner(KVImportExport):
             self._seal_full_blocks(seq)
         return logits  # [rows, vocab]
 
+    def _cascade_prefix(self, seqs: list[Sequence], first_new: int) -> int:
+        """Tokens at the start of every context that attention reads once, apart from the rest
+        (cascade): the blocks several sequences share, or one sequence's leading run of blocks
+        (read in place). `first_new`: the earliest position written in this pass (one sequence)."""
+        bs = self.layout.block_size
+        if len(seqs) > 1:
+            return shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
+        return leading_run_blocks(seqs[0].block_table, first_new // bs, bs) * bs
+
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
         if len(seq_ids) != len(token_ids) or not seq_ids:
@@ -262,7 +271,7 @@ class KVRunner(KVImportExport):
         contexts = [seq.slots(0, len(seq) + 1, bs) for seq in seqs]
         write = torch.stack([c[-1] for c in contexts])
         positions = torch.tensor([len(seq) for seq in seqs])
-        shared = shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
+        shared = self._cascade_prefix(seqs, len(seqs[0]))
         batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
         if shared:
             batch = CascadeBatch(contexts[0][:shared], batch)
