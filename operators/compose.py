@@ -5,7 +5,8 @@ Each part is placed after everything composed before it:
     prefix: its tail is exact and is used as is;
   * any other part is an independent segment: `exact` refuses it; `rerotate` moves its keys to
     their new positions (RoPE rotations compose; values unchanged); `blend` re-rotates, then
-    recomputes the fraction `r` of its tokens whose KV deviates most (CacheBlend-style).
+    recomputes the fraction `r` of its tokens: its last token (which what follows reads most), then
+    those whose KV deviates most (CacheBlend-style).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", 
         fidelity = FidelityReport(mode, total_tokens=len(tokens))
         if mode == "blend":
             candidates = [p for start, stop in moved for p in range(start, stop)]
-            result = host.engine.blend(seq, candidates, r)
+            result = host.engine.blend(seq, candidates, r, anchors=[stop - 1 for _, stop in moved])
             fidelity = FidelityReport(mode, recomputed_tokens=len(result.recomputed_positions),
                                       total_tokens=len(tokens), mean_deviation=result.mean_deviation)
         if check is not None:

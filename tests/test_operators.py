@@ -221,3 +221,19 @@ def test_approximate_kv_never_serves_prefix_cache_hits(host):
     reused = host.engine.stats().tokens_reused - before.tokens_reused
     assert reused == 96, "only DOC's own exact blocks may be reused, never the re-rotated ones"
     assert full.exact
+
+
+def test_blend_recomputes_its_anchors_first(make_engine, tmp_path):
+    """Anchors (compose passes each moved segment's last token) are recomputed before any token the
+    deviation ranking picks, within the same budget, and a budget of zero recomputes none."""
+    from tests.factories import make_tiny_model
+
+    engine = make_engine(make_tiny_model(tmp_path, "llama", num_hidden_layers=4), num_blocks=64)
+    seq = engine.new_sequence()
+    engine.prefill(seq, list(range(3, 43)))
+    candidates = list(range(20, 40))
+    assert engine.blend(seq, candidates, 0.05, anchors=[39]).recomputed_positions == (39,)
+    picked = engine.blend(seq, candidates, 0.2, anchors=[25, 39]).recomputed_positions
+    assert len(picked) == 4 and {25, 39} <= set(picked)
+    assert engine.blend(seq, candidates, 0.0, anchors=[39]).recomputed_positions == ()
+    engine.free(seq)

