@@ -101,6 +101,9 @@ def test_leading_run_blocks_splits_off_a_long_run_before_the_new_tokens():
     assert leading_run_blocks(table, long_run, 16) == long_run
     assert leading_run_blocks(table, long_run - 1, 16) == long_run - 1  # never past the first new token
     assert leading_run_blocks(list(range(10)) + [90], 10, 16) == 0  # too short to pay off
+    whole = list(range(long_run + 1))
+    assert leading_run_blocks(whole, long_run, 16) == long_run  # a chunk: the run needs no mask
+    assert leading_run_blocks(whole, long_run, 16, decode=True) == 0  # a step reads it in one pass
     broken = list(range(long_run // 2)) + [90] + list(range(long_run // 2 + 1, long_run))
     assert leading_run_blocks(broken, long_run, 16) == 0  # the run ends at block 90
 

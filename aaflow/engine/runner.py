@@ -246,14 +246,14 @@ class KVRunner(KVImportExport):
             self._seal_full_blocks(seq)
         return logits  # [rows, vocab]
 
-    def _cascade_prefix(self, seqs: list[Sequence], first_new: int) -> int:
+    def _cascade_prefix(self, seqs: list[Sequence], first_new: int, decode: bool = False) -> int:
         """Tokens at the start of every context that attention reads once, apart from the rest
         (cascade): the blocks several sequences share, or one sequence's leading run of blocks
         (read in place). `first_new`: the earliest position written in this pass (one sequence)."""
         bs = self.layout.block_size
         if len(seqs) > 1:
             return shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
-        return leading_run_blocks(seqs[0].block_table, first_new // bs, bs) * bs
+        return leading_run_blocks(seqs[0].block_table, first_new // bs, bs, decode) * bs
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
@@ -271,7 +271,7 @@ class KVRunner(KVImportExport):
         contexts = [seq.slots(0, len(seq) + 1, bs) for seq in seqs]
         write = torch.stack([c[-1] for c in contexts])
         positions = torch.tensor([len(seq) for seq in seqs])
-        shared = self._cascade_prefix(seqs, len(seqs[0]))
+        shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
         batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
         if shared:
             batch = CascadeBatch(contexts[0][:shared], batch)
