@@ -67,9 +67,9 @@ def blend(runner: KVRunner, seq_id: int, candidate_positions: list[int], fractio
     deviation = ((k1n - k1).flatten(1).norm(dim=1) + (v1n - v1).flatten(1).norm(dim=1)) / (
         k1n.flatten(1).norm(dim=1) + v1n.flatten(1).norm(dim=1) + 1e-12)  # [n]
     count = int(round(fraction * positions.numel()))
-    first = torch.isin(positions, torch.tensor(list(anchors), dtype=torch.long))  # [n] bool
-    order = torch.cat([first.nonzero()[:, 0], (~first).nonzero()[deviation[~first].argsort(descending=True)][:, 0]])
-    order = order[:count]
+    is_anchor = torch.isin(positions, torch.tensor(list(anchors), dtype=torch.long))  # [n] bool
+    others = (~is_anchor).nonzero()[:, 0]  # indices into positions
+    order = torch.cat([is_anchor.nonzero()[:, 0], others[deviation[others].argsort(descending=True)]])[:count]
     chosen = positions[order].sort().values
     if count:
         _run(runner, seq_id, chosen, num_layers=runner.model.config.num_layers)
