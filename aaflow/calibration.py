@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from aaflow.calibration_cores import concurrency_slowdown, lent_core_speedup, say
 from aaflow.errors import CostModelError
 from costmodel.hardware import HardwareProfile, LinkProfile, hardware_dir
 
@@ -58,11 +59,6 @@ def find_profile(name: str | None = None) -> HardwareProfile | None:
         profile = replace(profile, compute={**extra.compute, **profile.compute},
                           links={**extra.links, **profile.links})
     return profile
-
-
-def _say(progress: Callable[[str], None] | None, message: str) -> None:
-    if progress is not None:
-        progress(message)
 
 
 def _call_overhead_s(replica) -> float:
@@ -117,62 +113,13 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
                 nbytes, seconds = max(samples)
                 links[transport] = LinkProfile(nbytes / seconds, 0.0, in_place)
             samples_out[transport] = samples
-            _say(progress, f"  link {transport}: {links[transport].bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
+            say(progress, f"  link {transport}: {links[transport].bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
                            f"{links[transport].latency_s * 1e3:.2f} ms latency"
                            + (" (in place: no staging copy)" if in_place else " (after the source's staging copy)"))
     finally:
         for record in refs:
             ray.get(src.actor.free.remote(record.id))
     return links, samples_out
-
-
-def _concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float = 0.15) -> float:
-    """How much slower a replica computes while another one computes too (>= 1): the same prefill
-    alone, then on two replicas at once, then alone again, timed inside the replicas. A long prefill
-    (2,048 tokens where the model allows) is used: contention for memory bandwidth grows with the
-    working set, and long contexts are where the planner's choice between overlapping and waiting
-    matters. On a shared machine whose speed drifts, the two solo timings disagree; then the
-    measurement is repeated (up to `attempts` times) and the median estimate kept."""
-    import ray
-
-    if len(replicas) < 2:
-        return 1.0
-    pair = replicas[:2]
-
-    def alone(point):  # one replica at a time: [seconds per replica]
-        return [ray.get(r.actor.calibrate_prefill.remote(point, 1)) for r in pair]
-
-    for tokens in (2048, 512):  # the longest prefill both pools can hold
-        point = ((tokens, 0),)
-        before = alone(point)
-        if all(before):
-            break
-    else:
-        return 1.0
-    estimates = []
-    for attempt in range(attempts):
-        if attempt:
-            before = alone(point)
-        together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in pair])
-        after = alone(point)
-        seconds = [[replica[0][2] for replica in samples] for samples in (before, together, after)]
-        estimate, drift = slowdown_estimate(*seconds)
-        estimates.append(estimate)
-        if drift <= max_drift:
-            break
-        _say(progress, f"  this machine's speed drifted {drift:.0%} during the contention measurement; measuring again")
-    slowdown = max(1.0, statistics.median(estimates))
-    _say(progress, f"  two replicas prefilling {tokens} tokens at once: {slowdown:.2f}x slower each")
-    return slowdown
-
-
-def slowdown_estimate(before: list[float], together: list[float], after: list[float]) -> tuple[float, float]:
-    """Per-replica prefill seconds alone (before), at once (together), alone again (after) ->
-    (mean of together / mean solo time, the largest relative change between the two solo timings)."""
-    solo = [(b + a) / 2 for b, a in zip(before, after)]
-    estimate = statistics.mean(t / s for t, s in zip(together, solo))
-    drift = max(abs(b - a) / min(b, a) for b, a in zip(before, after))
-    return estimate, drift
 
 
 def calibrate(cluster, name: str | None = None, quick: bool = True, transports: tuple[str, ...] | None = None,
@@ -199,16 +146,17 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         replica = cluster.replicas(model)[0]
         info = ray.get(replica.actor.info.remote())
         key = model_key(info)
-        _say(progress, f"calibrating {key} on {replica.name}: prefill ...")
+        say(progress, f"calibrating {key} on {replica.name}: prefill ...")
         prefill = ray.get(replica.actor.calibrate_prefill.remote(QUICK_PREFILL if quick else FULL_PREFILL,
                                                                    1 if quick else 3))
-        _say(progress, f"calibrating {key} on {replica.name}: decode ...")
+        say(progress, f"calibrating {key} on {replica.name}: decode ...")
         decode = ray.get(replica.actor.calibrate_decode.remote(QUICK_DECODE if quick else FULL_DECODE))
         compute[key] = compute_profile_from_samples(prefill, decode)
         quality = fit_quality(compute[key], prefill, decode)
         report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, median fit error {quality:.1%}")
-        _say(progress, f"  {report[-1]}")
-    slowdown = _concurrency_slowdown(cluster.replicas(), progress)
+        say(progress, f"  {report[-1]}")
+    slowdown = concurrency_slowdown(cluster.replicas(), progress)
+    lent_speedup = lent_core_speedup(cluster.replicas(), progress)
     replica = cluster.replicas()[0]
     memcpy = ray.get(replica.actor.memcpy_bandwidth.remote())
     overhead = _call_overhead_s(replica)
@@ -216,18 +164,19 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     if pairs:
         ready = available_transports()
         wanted = transports or tuple(t for t in ("ray", "nixl", "ucx") if ready.get(t) is True)
-        _say(progress, f"calibrating links {', '.join(wanted)} between {pairs[0][0].name} and {pairs[0][1].name} ...")
+        say(progress, f"calibrating links {', '.join(wanted)} between {pairs[0][0].name} and {pairs[0][1].name} ...")
         measured, _ = _measure_links(pairs[0], wanted, LINK_TOKENS_QUICK if quick else LINK_TOKENS_FULL, progress,
                                      memcpy)
         links.update(measured)
     source = (f"measured by `aaflow calibrate` on {socket.gethostname()} ({os.cpu_count()} CPUs) at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}; " + "; ".join(report))
     profile = HardwareProfile(name=name, measured=True, source=source, memcpy_bytes_per_s=memcpy, compute=compute,
-                              links=links, call_overhead_s=overhead, concurrency_slowdown=slowdown)
+                              links=links, call_overhead_s=overhead, concurrency_slowdown=slowdown,
+                              lent_core_speedup=lent_speedup)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         profile.save(out)
-        _say(progress, f"wrote {out}")
+        say(progress, f"wrote {out}")
     return profile
 
 
@@ -248,6 +197,6 @@ def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
     profile = find_profile()
     if covers(profile, infos):
         return profile
-    _say(progress, "no calibrated profile of this machine for these replicas yet: calibrating (quick) ...")
+    say(progress, "no calibrated profile of this machine for these replicas yet: calibrating (quick) ...")
     return calibrate(cluster, quick=True, progress=progress, base=profile,
                      out=cached_profile_path(default_profile_name()))

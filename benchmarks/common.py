@@ -49,3 +49,13 @@ def write_json(path: str | os.PathLike, data: dict) -> Path:
     out.write_text(json.dumps(data, indent=2))
     log(f"wrote {out}")
     return out
+
+
+NO_LEND = "/no-lend"  # a strategy variant: the executor lends no idle cores (`af.run(lend_cores=False)`)
+
+
+def run_options(strategy: str) -> dict:
+    """`af.run` keyword arguments for a bench strategy name such as "auto" or "auto/no-lend"."""
+    if strategy.endswith(NO_LEND):
+        return {"strategy": strategy[: -len(NO_LEND)], "lend_cores": False}
+    return {"strategy": strategy}

@@ -22,7 +22,7 @@ import os
 import statistics
 from functools import lru_cache
 
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import log, machine_facts, run_options, write_json
 from configs import CONFIG_DIR
 
 PAPER = {"compute_x": 7.63, "throughput_x": 7.74, "agents": 16, "source": "AAFLOW+ (cost model)"}
@@ -76,7 +76,7 @@ def cold_run(cluster, wf, strategy: str, chunk_tokens: int = 16):
 
     ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
     cpu0, tok0 = replica_cpu_s(cluster), engine_tokens_computed(cluster)
-    res = af.run(wf, cluster, strategy=strategy, chunk_tokens=chunk_tokens)
+    res = af.run(wf, cluster, chunk_tokens=chunk_tokens, **run_options(strategy))
     return res, replica_cpu_s(cluster) - cpu0, engine_tokens_computed(cluster) - tok0
 
 
@@ -175,7 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1, 4, 16 agents, 2,048-token context, 1 repeat")
     p.add_argument("--agents", type=int, nargs="+", default=None, help="default 1 2 4 8 16")
     p.add_argument("--context", type=int, default=None, help="shared context tokens (default 4096)")
-    p.add_argument("--strategies", nargs="+", default=["text", "auto", "transfer+stream"])
+    p.add_argument("--strategies", nargs="+", default=["text", "auto", "transfer+stream"],
+                   help="add /no-lend to a name (auto/no-lend) to run it without lending idle cores")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens each agent generates (ignore_eos)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--chunk-tokens", type=int, default=16)

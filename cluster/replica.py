@@ -19,6 +19,16 @@ from cluster.transfer_endpoint import TransferEndpoint
 from operators import EvictionPolicy, FidelityReport, KVHost, KVRef
 
 
+LENDABLE_CALLS = frozenset({"materialize", "session_prefill", "session_prefill_many", "calibrate_prefill"})  # prefills
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray): replicas on one node share its cores."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
 @dataclass(frozen=True)
 class RefRecord:
     """A KVRef as seen from another process: enough to address it, size it and rebuild it."""
@@ -55,7 +65,7 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
     # --- identity -------------------------------------------------------------------------
     def info(self) -> dict:
         return {"name": self.name, "model": self.model, "fingerprint": self.engine.fingerprint,
-                "pid": os.getpid(), "bytes_per_token": self.host.spec.bytes_per_token,
+                "pid": os.getpid(), "node": _node_id(), "bytes_per_token": self.host.spec.bytes_per_token,
                 "dtype": str(self.engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
                 "vocab_size": self.engine.config.vocab_size, "model_path": str(self.engine.model_path),
                 "max_tokens": min(self.engine.config.max_position_embeddings,
@@ -124,6 +134,21 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
 
     def free(self, ref_id: str) -> None:
         self.host.free(self._refs.pop(ref_id) if ref_id in self._refs else self._ref(ref_id))
+
+    def with_threads(self, threads: int, method: str, *args, **kwargs):
+        """Run one prefill call (one of `LENDABLE_CALLS`) on `threads` torch threads, cores that idle
+        replicas of this node lend it (`aaflow.runtime.core_lending`), then go back to this
+        replica's own share."""
+        if method not in LENDABLE_CALLS:
+            raise ValueError(f"only prefill calls run on lent cores ({sorted(LENDABLE_CALLS)}), not {method!r}")
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        own = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return getattr(self, method)(*args, **kwargs)
+        finally:
+            torch.set_num_threads(own)
 
     def export_tensor(self, ref_id: str) -> torch.Tensor:
         """The ref's KV as one contiguous tensor (for tests and the `ray` object-store path)."""

@@ -127,6 +127,8 @@ class HardwareProfile:
     call_overhead_s: float = 0.0  # fixed cost of one replica call (RPC), measured by `aaflow calibrate`
     concurrency_slowdown: float = 1.0  # compute runs this many times slower while another replica computes
     # on the same machine (shared cores, memory bandwidth); 1.0 for replicas on separate devices
+    lent_core_speedup: float = 1.0  # a long prefill runs this many times faster on the cores of the idle
+    # replicas of its machine (`aaflow.runtime.core_lending`); 1.0 where nothing is lent (one device each)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.memcpy_bytes_per_s) and self.memcpy_bytes_per_s > 0):
@@ -135,6 +137,9 @@ class HardwareProfile:
         if not (math.isfinite(self.concurrency_slowdown) and self.concurrency_slowdown >= 1):
             raise CostModelError(f"hardware {self.name!r}: concurrency_slowdown must be >= 1, "
                                  f"got {self.concurrency_slowdown!r}")
+        if not (math.isfinite(self.lent_core_speedup) and self.lent_core_speedup >= 1):
+            raise CostModelError(f"hardware {self.name!r}: lent_core_speedup must be >= 1, "
+                                 f"got {self.lent_core_speedup!r}")
         if not (math.isfinite(self.call_overhead_s) and self.call_overhead_s >= 0):
             raise CostModelError(f"hardware {self.name!r}: call_overhead_s must be >= 0, got {self.call_overhead_s!r}")
         if not 0 < self.mfu <= 1:

@@ -136,7 +136,8 @@ class PrefixSharing:
             self.prefix_origin[key] = rname
             self._call(rname, "prefill", lambda: self._materialize_cost(rname, agent.task.prefix_key,
                                                                         agent.task.prefix_tokens),
-                       then=lambda _: self._prefix_ready(key, rname, agent.task.prefix_tokens, received=False))
+                       then=lambda _: self._prefix_ready(key, rname, agent.task.prefix_tokens, received=False),
+                       tokens=agent.task.prefix_tokens)
 
     def _materialize_cost(self, rname: str, prefix_key: str, prefix_tokens: int) -> tuple[float, None]:
         r = self.replicas[rname]

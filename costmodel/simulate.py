@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
+from aaflow.runtime.core_lending import LEND_MIN_TOKENS
 from costmodel.sim_packing import run_pack, take_pack
 from costmodel.sim_state import BLOCK_TOKENS, STRATEGIES, Call, PrefixSharing, ReplicaState, SimAgent, cache_hit_tokens
 
@@ -88,6 +89,7 @@ class _Simulation(PrefixSharing):
                                      f"profiles given: {sorted(models)}")
         self.cluster, self.overhead = cluster, call_overhead_s
         self.slowdown = hardware.concurrency_slowdown
+        self.lent_speedup = hardware.lent_core_speedup
         self.chunk = cluster.chunk_tokens
         self.link = hardware.link(cluster.link)
         self.memcpy_bytes_per_s = hardware.memcpy_bytes_per_s
@@ -123,8 +125,8 @@ class _Simulation(PrefixSharing):
         agent.start_s = self.now
 
     # --- replica call queue --------------------------------------------------------------
-    def _call(self, rname: str, kind: str, run, then=None) -> None:
-        self.replicas[rname].queue.append(Call(kind, run, then))
+    def _call(self, rname: str, kind: str, run, then=None, tokens: int = 0) -> None:
+        self.replicas[rname].queue.append(Call(kind, run, then, tokens))
 
     def _launch(self) -> None:
         for r in self.replicas.values():
@@ -145,10 +147,25 @@ class _Simulation(PrefixSharing):
                 call = r.queue.popleft()
                 if call.kind == "chunk" and len(pack := take_pack(call, r.queue)) > 1:
                     seconds, values = run_pack(pack, r.cached, self.overhead, r.compute.prefill_fixed_s)
+                    seconds /= self._lent_speedup(r, sum(c.tokens for c in pack))
                     self._start(r, "chunk", seconds, lambda vs, ps=pack: [c.then(v) for c, v in zip(ps, vs)], values)
                     continue
                 seconds, value = call.run()
+                if call.kind in ("prefill", "chunk"):
+                    seconds /= self._lent_speedup(r, call.tokens)
                 self._start(r, call.kind, seconds, call.then, value)
+
+    def _lent_speedup(self, r: ReplicaState, tokens: int) -> float:
+        """As the executor lends cores (`aaflow.runtime.core_lending`): a prefill of LEND_MIN_TOKENS or
+        more, started while every other replica has nothing in flight or queued and its unfinished
+        agents all wait for a shared prefix, runs `lent_core_speedup` times faster."""
+        if tokens < LEND_MIN_TOKENS or self.lent_speedup == 1.0:
+            return 1.0
+        others = [o for o in self.replicas.values() if o is not r]
+        waiting = {id(a) for waiters in self.prefix_waiters.values() for a in waiters}
+        idle = all(o.name not in self.inflight and not o.queue
+                   and all(a.state == "done" or id(a) in waiting for a in o.placed) for o in others)
+        return self.lent_speedup if others and idle else 1.0
 
     def _start(self, r: ReplicaState, kind: str, seconds: float, then, value) -> None:
         if kind in COMPUTE_KINDS and any(self.replicas[n].last_kind in COMPUTE_KINDS for n in self.inflight):

@@ -330,7 +330,7 @@ def test_scaled_compute_scales_every_term_and_rejects_bad_factors():
 
 
 def test_contention_estimate_uses_both_solo_timings_and_reports_drift():
-    from aaflow.calibration import slowdown_estimate
+    from aaflow.calibration_cores import slowdown_estimate
 
     estimate, drift = slowdown_estimate(before=[1.0, 2.0], together=[1.2, 2.4], after=[1.0, 2.0])
     assert estimate == pytest.approx(1.2) and drift == 0

@@ -252,3 +252,28 @@ def test_errors_name_the_agent():
         simulate(spec, cluster(1), hardware(CPU), {"m": SMOLLM2}, {"a": "fastest"})
     with pytest.raises(CostModelError, match="output_tokens"):
         agent("z", "p", 8, out=0)
+
+
+def test_a_prefix_materialized_while_the_other_replica_idles_runs_on_lent_cores():
+    # One replica materializes a 4,096-token prefix while the other waits for it (transfer):
+    # with lent_core_speedup 2, that prefill takes half as long; recomputing it on both replicas at
+    # once lends nothing (neither idles), and a short prefix (< LEND_MIN_TOKENS) is never sped up.
+    from dataclasses import replace
+
+    from aaflow.runtime.core_lending import LEND_MIN_TOKENS
+
+    c = ComputeProfile(0.0, 1e-3, 0.0, 0.02, 0.0, 0.0)
+    hw, lending = hardware(c), replace(hardware(c), lent_core_speedup=2.0)
+    spec = WorkflowSpec("pair", tuple(agent(f"q{i}", "ctx", 4096, 20, out=4) for i in range(2)))
+    alone, lent = (simulate(spec, cluster(2), h, {"m": SMOLLM2}, uniform(spec, "transfer")) for h in (hw, lending))
+    assert lent.makespan_s == pytest.approx(alone.makespan_s - 4096e-3 / 2, abs=0.01)
+    recompute = [simulate(spec, cluster(2), h, {"m": SMOLLM2}, uniform(spec, "recompute")) for h in (hw, lending)]
+    assert recompute[0].makespan_s == recompute[1].makespan_s
+    short = WorkflowSpec("short", tuple(agent(f"q{i}", "ctx", LEND_MIN_TOKENS - 64, 20, out=4) for i in range(2)))
+    assert (simulate(short, cluster(2), hw, {"m": SMOLLM2}, uniform(short, "transfer")).makespan_s
+            == simulate(short, cluster(2), lending, {"m": SMOLLM2}, uniform(short, "transfer")).makespan_s)
+
+
+def test_lent_core_speedup_below_one_is_refused():
+    with pytest.raises(CostModelError, match="lent_core_speedup"):
+        HardwareProfile("box", True, "", 1e9, lent_core_speedup=0.5)

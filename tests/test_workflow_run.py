@@ -184,3 +184,21 @@ def test_unordered_inputs_follow_completion_and_match_recomputing_that_prompt(ti
     ordered = af.run(build(order, False), cluster, strategy="text")
     assert res["join"].token_ids == ordered["join"].token_ids
     assert_no_kv_left(cluster)
+
+
+def test_a_long_prefill_borrows_the_idle_replicas_threads(tiny_cluster):
+    """The shared prefix is materialized while the other replica has nothing to do: it runs on both
+    replicas' threads (the events say so), with the tokens of a run that lends nothing (fp32)."""
+    cluster, model = tiny_cluster
+    wf = af.Workflow("lend")
+    doc = wf.context("doc", DOC)
+    for i in range(2):
+        wf.agent(f"a{i}", model, [doc, f"Question {i}."], max_tokens=4)
+    _cold(cluster)
+    lent = af.run(wf, cluster, strategy="transfer")
+    _cold(cluster)
+    alone = af.run(wf, cluster, strategy="transfer", lend_cores=False)
+    assert any("lent by idle replicas" in e for e in lent.events), lent.events
+    assert not any("lent by idle replicas" in e for e in alone.events)
+    assert all(lent[n].token_ids == alone[n].token_ids for n in ("a0", "a1"))
+    assert_no_kv_left(cluster)

@@ -45,7 +45,7 @@ def _check_sizes(wf, builders, limits) -> None:
 
 
 def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
-        transport: str | None = None, plan=None) -> RunResult:
+        transport: str | None = None, plan=None, lend_cores: bool = True) -> RunResult:
     """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
 
     Args:
@@ -59,6 +59,8 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
         plan: a `Plan` from `af.plan` to follow under "auto" (default: plan now; this machine's
             profile is calibrated on first use). If planning fails, auto falls back to its
             documented rule and says so in `events`.
+        lend_cores: a long prefill sent while the other built-in replicas of its node idle runs
+            on their threads too (`aaflow.runtime.core_lending`; each loan is in `events`).
     """
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
@@ -78,7 +80,8 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     decisions = plan.decisions if strategy == "auto" and plan is not None else None
     if decisions:
         events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
-    executor = Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport, decisions)
+    executor = Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport, decisions,
+                        lend_cores)
     executor.events.extend(events)
     result = executor.run()
     result.planning_s = planning_s

@@ -69,12 +69,12 @@ class _Agent:
 class Executor(ReplicaCalls, PrefixSharing, Recovery):
     def __init__(self, workflow, cluster, strategy: str, builders: dict, eos: dict[str, set[int]],
                  chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
-                 decisions: dict[str, str] | None = None) -> None:
+                 decisions: dict[str, str] | None = None, lend_cores: bool = True) -> None:
         if strategy not in STRATEGIES:
             raise WorkflowError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         self.wf, self.cluster, self.strategy, self.builders = workflow, cluster, strategy, builders
         self.eos, self.chunk_tokens, self.call_timeout_s = eos, max(1, chunk_tokens), call_timeout_s
-        self.transport = transport
+        self.transport, self.lend_cores = transport, lend_cores
         self.start = time.perf_counter()
         self.events: list[str] = []
         self.agents: dict[str, _Agent] = {}
