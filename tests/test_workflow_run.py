@@ -94,16 +94,22 @@ def _cold(cluster) -> None:
     ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
 
 
+def _questions_on_doc(model, n: int):
+    """n agents, each asking its own question about one shared context."""
+    wf = af.Workflow("sharing")
+    doc = wf.context("doc", DOC)
+    for i in range(n):
+        wf.agent(f"a{i}", model, [doc, f"Question {i}."], max_tokens=4)
+    return wf
+
+
 @pytest.mark.parametrize("strategy", ["text", "transfer+stream", "stream", "auto"])
 def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strategy):
     """Six concurrent agents share a P-token prefix: text computes 6 P; transfer+stream computes P
     once and transfers it; stream shares it through the prefix cache of each replica (full
     blocks); auto follows the planner, whose choices are among those two kinds."""
     cluster, model = tiny_cluster
-    wf = af.Workflow("sharing")
-    doc = wf.context("doc", DOC)
-    for i in range(6):
-        wf.agent(f"a{i}", model, [doc, f"Question {i}."], max_tokens=4)
+    wf = _questions_on_doc(model, 6)
     _cold(cluster)
     before = _computed(cluster)
     res = af.run(wf, cluster, strategy=strategy)
@@ -190,10 +196,7 @@ def test_a_long_prefill_borrows_the_idle_replicas_threads(tiny_cluster):
     """The shared prefix is materialized while the other replica has nothing to do: it runs on both
     replicas' threads (the events say so), with the tokens of a run that lends nothing (fp32)."""
     cluster, model = tiny_cluster
-    wf = af.Workflow("lend")
-    doc = wf.context("doc", DOC)
-    for i in range(2):
-        wf.agent(f"a{i}", model, [doc, f"Question {i}."], max_tokens=4)
+    wf = _questions_on_doc(model, 2)
     _cold(cluster)
     lent = af.run(wf, cluster, strategy="transfer")
     _cold(cluster)
