@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
+from aaflow.runtime.core_lending import lent_threads
+
 
 def say(progress: Callable[[str], None] | None, message: str) -> None:
     """Pass a progress line to `progress` (None: stay quiet)."""
@@ -70,15 +72,14 @@ def lent_core_speedup(replicas, progress, tokens: int = 1024) -> float:
     own again, while the others idle; 1.0 when nothing can be lent."""
     import ray
 
-    first = replicas[0] if replicas else None
-    if first is None or first.engine != "builtin":
+    if not replicas:
         return 1.0
-    infos = ray.get([r.actor.info.remote() for r in replicas])
-    own, node = infos[0]["threads"], infos[0].get("node")
-    lent = sum(info["threads"] for r, info in zip(replicas[1:], infos[1:])
-               if r.engine == "builtin" and node is not None and info.get("node") == node)
+    first = replicas[0]
+    infos = dict(zip((r.name for r in replicas), ray.get([r.actor.info.remote() for r in replicas])))
+    lent = lent_threads(first, replicas, infos, idle={r.name for r in replicas})
     if not lent:
         return 1.0
+    own = infos[first.name]["threads"]
     point = ((tokens, 0),)
 
     def seconds(threads: int) -> float | None:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
-from aaflow.runtime.core_lending import LEND_MIN_TOKENS
+from aaflow.runtime.core_lending import LEND_MIN_TOKENS, PREFILL_KINDS
 from costmodel.sim_packing import run_pack, take_pack
 from costmodel.sim_state import BLOCK_TOKENS, STRATEGIES, Call, PrefixSharing, ReplicaState, SimAgent, cache_hit_tokens
 
@@ -151,7 +151,7 @@ class _Simulation(PrefixSharing):
                     self._start(r, "chunk", seconds, lambda vs, ps=pack: [c.then(v) for c, v in zip(ps, vs)], values)
                     continue
                 seconds, value = call.run()
-                if call.kind in ("prefill", "chunk"):
+                if call.kind in PREFILL_KINDS:
                     seconds /= self._lent_speedup(r, call.tokens)
                 self._start(r, call.kind, seconds, call.then, value)
 
