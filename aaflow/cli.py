@@ -21,6 +21,9 @@ BENCHMARKS = {
     "workflows": "benchmarks.workflows_bench",
 }
 
+DTYPE_ARG = ["auto", "bfloat16", "float32"]
+DTYPE_HELP = "weights and KV (default auto: bfloat16 on CPUs with native bf16, else float32)"
+
 DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste compute re-reading shared context?"
 
 
@@ -206,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a multi-agent review workflow on SmolLM2, two replicas, text vs auto")
     demo.add_argument("--workflow", default=None, help="a workflow YAML (default: the shipped review)")
     demo.add_argument("--replicas", type=int, default=2)
-    demo.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    demo.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     demo.add_argument("--rounds", type=int, default=2, help="runs of each strategy, alternating (median reported)")
     demo.add_argument("--doc-tokens", type=int, default=2000,
                       help="the shipped review's paper repeated to about this many tokens (0: once, ~560)")
@@ -214,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="load a model with the built-in engine and answer one chat prompt")
     chat.add_argument("--model", default="smollm2")
-    chat.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    chat.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     chat.add_argument("--prompt", default=DEMO_QUESTION)
     chat.add_argument("--max-tokens", type=int, default=64)
     chat.add_argument("--threads", type=int, default=2)
@@ -225,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--strategy", default="auto",
                      choices=["auto", "text", "recompute", "transfer", "stream", "transfer+stream"])
     run.add_argument("--replicas", type=int, default=2)
-    run.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    run.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",
                      help="builtin (default) or vllm, for every model or one: --engine smollm2=vllm (repeatable; "
                           "vLLM needs `bash benchmarks/setup_vllm_env.sh`)")
@@ -239,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "default: this machine's calibrated profile")
     plan.add_argument("--link", default=None, help="link between replicas: a profile link name or e.g. 25Gbps")
     plan.add_argument("--chunk-tokens", type=int, default=16)
-    plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    plan.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     plan.add_argument("--json", default=None, help="also write the plan as JSON here")
     plan.set_defaults(func=_plan)
 
@@ -253,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = sub.add_parser("calibrate", help="measure this machine's replicas and links into a hardware profile")
     calibrate.add_argument("--model", default="smollm2")
     calibrate.add_argument("--replicas", type=int, default=2, help="two or more also measure the links")
-    calibrate.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    calibrate.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     calibrate.add_argument("--name", default=None, help="profile name (default local-<hostname>)")
     calibrate.add_argument("--out", default=None, help="YAML path (default configs/hardware/<name>.yaml)")
     calibrate.add_argument("--full", action="store_true", help="a longer grid (several minutes)")

@@ -29,12 +29,13 @@ def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
     return af.workflow.workflow_from_dict(raw)
 
 
-def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "bfloat16", rounds: int = 2,
+def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "auto", rounds: int = 2,
              doc_tokens: int = 2000) -> int:
     """Run the workflow with `text` and with `auto`, alternating, `rounds` times each from cold prefix
     caches; print the answers, both runs' tables and the median speedup. Without `workflow_path`, the
     shipped review workflow over its paper repeated to about `doc_tokens` tokens."""
     import aaflow as af
+    from aaflow.engine.dtypes import resolve_dtype
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -44,6 +45,7 @@ def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "
         wf = review_workflow(doc_tokens)
         where = f"configs/workflows/review.yaml, its paper repeated to ~{max(doc_tokens, PAPER_TOKENS):,} tokens"
     models = {a.model for a in wf.agents()}
+    dtype = resolve_dtype(dtype)
     print(f"aaflow demo: workflow {wf.name!r} ({len(wf.agents())} agents) from {where}")
     print(f"starting a local Ray cluster with {replicas} replica(s) of {', '.join(sorted(models))} ({dtype}) ...",
           flush=True)

@@ -34,14 +34,15 @@ def workflow_spec(workflow, builders: dict) -> WorkflowSpec:
 def replica_infos(cluster) -> dict[str, dict]:
     """Per model: what sets its speed (model folder, dtype, threads). From the live replicas of a
     `Cluster`, or, for a plan made without starting one, from `{model: replicas}` and the
-    defaults `af.init` would use (dtype bfloat16, the CPUs shared equally)."""
+    defaults `af.init` would use (dtype "auto" resolved on this CPU, the CPUs shared equally)."""
     import os
 
     if isinstance(cluster, dict):
+        from aaflow.engine.dtypes import resolve_dtype
         from aaflow.models import resolve_model_path
 
         threads = max(1, (os.cpu_count() or 1) // sum(cluster.values()))
-        return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": "bfloat16",
+        return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": resolve_dtype("auto"),
                     "threads": threads} for m in cluster}
     import ray
 

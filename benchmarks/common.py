@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from aaflow.engine.dtypes import native_bf16, resolve_dtype
 
 
 def log(msg: str) -> None:
@@ -35,12 +36,28 @@ def machine_facts() -> dict:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "native_bf16": native_bf16(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def add_dtype_argument(p) -> None:
+    """`--dtype`, resolved when parsed: "auto" (default) is bfloat16 on CPUs with native bf16, else float32."""
+    p.add_argument("--dtype", default="auto", type=resolve_dtype, metavar="{auto,bfloat16,float32}",
+                   help="weights and KV (default auto: bfloat16 with native bf16, else float32)")
 
 
 def write_json(path: str | os.PathLike, data: dict) -> Path:

@@ -16,7 +16,7 @@ import time
 import torch
 import yaml
 
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
 from configs import CONFIG_DIR
 
 
@@ -79,7 +79,7 @@ def run(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.3])

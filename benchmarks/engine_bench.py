@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.baseline_engines import VLLM_PYTHON
-from benchmarks.common import log, machine_facts, median_time, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, median_time, write_json
 from costmodel.microbench import memcpy_bandwidth
 
 
@@ -162,7 +162,7 @@ def run(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])

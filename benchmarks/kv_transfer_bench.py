@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
 
 
 def _context(n: int, seed: int, vocab: int) -> list[int]:
@@ -100,7 +100,7 @@ def run(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica (two replicas share the cores)")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8160],
                    help="context tokens (SmolLM2 has 8,192 positions; the question needs 16 of them)")

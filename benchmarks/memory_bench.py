@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
 
 
 def run(args) -> dict:
@@ -77,7 +77,7 @@ def _bytes_per_token(args) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--context", type=int, default=4096)

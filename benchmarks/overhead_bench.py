@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
 
 FLASHAGENTS_GPU = {"128": 3.0, "512": 1.2}
 
@@ -145,7 +145,7 @@ def _plot(out, report) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1,024-token prompt, 5 operator repeats, 1 prefill repeat")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process engine")
     p.add_argument("--op-tokens", type=int, default=32, help="about this many tokens of context for the operators")
     p.add_argument("--op-repeats", type=int, default=None, help="default 20 (quick: 5)")

@@ -22,7 +22,7 @@ import os
 import statistics
 from functools import lru_cache
 
-from benchmarks.common import log, machine_facts, run_options, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, run_options, write_json
 from configs import CONFIG_DIR
 
 PAPER = {"compute_x": 7.63, "throughput_x": 7.74, "agents": 16, "source": "AAFLOW+ (cost model)"}
@@ -178,7 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", nargs="+", default=["text", "auto", "transfer+stream"],
                    help="add /no-lend to a name (auto/no-lend) to run it without lending idle cores")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens each agent generates (ignore_eos)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     p.add_argument("--no-warmup", action="store_true")

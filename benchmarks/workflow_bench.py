@@ -17,7 +17,7 @@ import statistics
 
 from aaflow.demo import review_workflow
 from aaflow.engine.engine import DEFAULT_KV_CACHE_BYTES
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
 from configs import CONFIG_DIR
 
 
@@ -105,7 +105,7 @@ def _map_reduce(cluster, args) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--strategies", nargs="+", default=["text", "stream", "auto"])
     p.add_argument("--a-tokens", type=int, default=64, help="tokens the upstream agent A generates")

@@ -27,7 +27,7 @@ import argparse
 import statistics
 
 from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows, vllm_workflows
-from benchmarks.common import log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
 from benchmarks.scaling_bench import cold_run, context_text
 
 
@@ -216,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="skip the Hugging Face transformers baseline (skipped in quick mode anyway)")
     p.add_argument("--vllm-timeout-s", type=float, default=1800.0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_argument(p)
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")
     p.add_argument("--out", default="results/workflows.json")

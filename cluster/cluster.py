@@ -55,9 +55,11 @@ class Cluster:
     `engine="vllm"` (every model) or `engines={model: "vllm"}` runs those replicas on vLLM
     (`cluster.vllm_replica.VLLMReplica`, options in `vllm_options`); engine keyword arguments go
     to built-in replicas only. vLLM wants a core of its own: give it one CPU share per replica.
+    `dtype="auto"` is resolved once, here, so that every built-in replica holds the same KV format
+    (bf16 where this CPU has native bf16, else fp32: `aaflow.engine.dtypes`); vLLM replicas get bf16.
     """
 
-    def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "bfloat16",
+    def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "auto",
                  num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
                  placement_strategy: str = "PACK", engine: str = "builtin", engines: dict[str, str] | None = None,
                  vllm_options: dict | None = None, **engine_kwargs) -> None:
@@ -65,12 +67,14 @@ class Cluster:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from aaflow.engine.dtypes import resolve_dtype
         from cluster.actors import start_ray
         from cluster.replica import ModelReplica
 
         if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas.values()):
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
         kinds = engine_per_model(replicas, engine, engines)  # before Ray starts: vLLM missing fails here
+        dtypes = {"builtin": resolve_dtype(dtype), "vllm": "bfloat16" if dtype == "auto" else dtype}
         self._pg = None
         self._owns_ray = not ray.is_initialized() and address is None
         start_ray(address=address, num_cpus=num_cpus)
@@ -100,7 +104,7 @@ class Cluster:
                 actor = actor_cls[kinds[model]].options(
                     num_cpus=per_replica, max_concurrency=1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
-                ).remote(name, model, dtype=dtype, threads=threads, **kwargs)
+                ).remote(name, model, dtype=dtypes[kinds[model]], threads=threads, **kwargs)
                 self._replicas.append(ReplicaHandle(name, model, actor, kinds[model]))
                 index += 1
         infos = [r.actor.info.remote() for r in self._replicas]

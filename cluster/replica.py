@@ -49,7 +49,7 @@ class RefRecord:
 class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoint):
     """An engine and its KVRefs, addressed by ref id. Not thread-safe: an actor serializes calls."""
 
-    def __init__(self, name: str, model: str, dtype: str = "bfloat16", threads: int | None = None,
+    def __init__(self, name: str, model: str, dtype: str = "auto", threads: int | None = None,
                  budget_bytes: int | None = None, **engine_kwargs) -> None:
         """Load `model` (a registry name or HF folder); `engine_kwargs` go to `Engine.from_pretrained`
         (kv_cache_bytes, block_size, prefix_caching, ...)."""

@@ -150,5 +150,5 @@ def test_import_checks_fingerprint_shape_and_dtype_before_touching_memory(tiny_e
 
 
 def test_bad_dtype_name(tiny_llama_dir):
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="unknown dtype 'int8': choose one of auto"):
         af.Engine.from_pretrained(tiny_llama_dir, dtype="int8")

@@ -10,6 +10,7 @@ from typing import Sequence as Seq
 import torch
 
 from aaflow.engine.config import ModelConfig
+from aaflow.engine.dtypes import DTYPES, resolve_dtype
 from aaflow.engine.fingerprint import model_fingerprint, weights_digest
 from aaflow.engine.kv_cache import KVLayout
 from aaflow.engine.model import LlamaModel
@@ -21,7 +22,6 @@ from aaflow.engine.sequence import KVExport
 from aaflow.engine.weights import load_weights
 from aaflow.errors import ModelNotFoundError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 
 
@@ -43,7 +43,7 @@ class Engine(PromptText):
     def from_pretrained(
         cls,
         name_or_folder: str | os.PathLike,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
@@ -53,7 +53,8 @@ class Engine(PromptText):
         """Load a registered model (e.g. "smollm2", fetched on first use) or a Hugging Face folder.
 
         Args:
-            dtype: "float32", "bfloat16" or "float16" for weights and KV.
+            dtype: "float32", "bfloat16" or "float16" for weights and KV; "auto" (default) is
+                bfloat16 on CPUs with native bf16 and float32 on the others (`dtypes.resolve_dtype`).
             block_size: tokens per KV block.
             num_blocks: pool size in blocks; default: as many as fit in `kv_cache_bytes`.
             prefix_caching: reuse full blocks of earlier prompts with the same prefix.
@@ -62,8 +63,7 @@ class Engine(PromptText):
         from aaflow.models import resolve_model_path
         from transformers import AutoTokenizer
 
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = resolve_dtype(dtype)
         if threads is not None:
             torch.set_num_threads(threads)
         folder = resolve_model_path(name_or_folder)

@@ -16,7 +16,7 @@ from typing import Sequence as Seq
 import torch
 
 from aaflow.engine.config import ModelConfig
-from aaflow.engine.engine import DTYPES
+from aaflow.engine.dtypes import DTYPES
 from aaflow.engine.fingerprint import model_fingerprint, weights_digest
 from aaflow.engine.outputs import GenerationOutput
 from aaflow.engine.prompt_text import PromptText

@@ -1,0 +1,25 @@
+"""Weight and KV dtypes by name, and `"auto"`: bf16 where the CPU computes in bf16 natively, else fp32."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX). Without it oneDNN converts bf16 to
+    fp32 around every op: measured on an Ice Lake Xeon (AVX512, no BF16), one thread, SmolLM2-135M:
+    a 4,096-token prefill took 36.4 s in bf16 and 16.8 s in fp32, a decode step 279 vs 113 ms."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(name: str) -> str:
+    """A concrete dtype name: `name` itself, or for `"auto"` "bfloat16" with native bf16 and
+    "float32" without. Raises ValueError naming the choices for anything else."""
+    if name == "auto":
+        return "bfloat16" if native_bf16() else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    return name
