@@ -54,6 +54,11 @@ def _cpu_model() -> str:
         return ""
 
 
+def kv_bytes_per_token(dtype: str, values_per_token: int = 11520) -> int:
+    """KV bytes per token in `dtype` (default: SmolLM2-135M, 30 layers x K/V x 3 heads x 64)."""
+    return values_per_token * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
 def add_dtype_argument(p) -> None:
     """`--dtype`, resolved when parsed: "auto" (default) is bfloat16 on CPUs with native bf16, else float32."""
     p.add_argument("--dtype", default="auto", type=resolve_dtype, metavar="{auto,bfloat16,float32}",

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
 
 
 def _context(n: int, seed: int, vocab: int) -> list[int]:
@@ -46,7 +46,7 @@ def run(args) -> dict:
     transports = [t for t, ok in available_transports().items() if ok is True and t != "local"]
     transports = [t for t in transports if not args.transports or t in args.transports]
     start_ray(num_cpus=2)
-    pool = int(max(args.lengths) * 2.5) * 23040 * (1 if args.dtype == "bfloat16" else 2)
+    pool = int(max(args.lengths) * 2.5) * kv_bytes_per_token(args.dtype)
     kw = dict(dtype=args.dtype, threads=args.threads, kv_cache_bytes=pool, prefix_caching=False)
     src, dst = replica_actor("bench-src", model, 0.5, **kw), replica_actor("bench-dst", model, 0.5, **kw)
     vocab = 49152

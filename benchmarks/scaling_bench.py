@@ -22,7 +22,7 @@ import os
 import statistics
 from functools import lru_cache
 
-from benchmarks.common import add_dtype_argument, log, machine_facts, run_options, write_json
+from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, run_options, write_json
 from configs import CONFIG_DIR
 
 PAPER = {"compute_x": 7.63, "throughput_x": 7.74, "agents": 16, "source": "AAFLOW+ (cost model)"}
@@ -102,7 +102,7 @@ def run(args) -> dict:
     agents, context, repeats = args.agents or [1, 2, 4, 8, 16], args.context or 4096, args.repeats or 3
     text = context_text(context)
     per_agent = context + 64 + args.max_tokens
-    pool = int(max(agents) * per_agent * 1.25) * 23040 * (2 if args.dtype == "float32" else 1)
+    pool = int(max(agents) * per_agent * 1.25) * kv_bytes_per_token(args.dtype)
     cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool)
     report = {"benchmark": "scaling", "machine": machine_facts(), "paper": PAPER,
               "settings": {**{k: v for k, v in vars(args).items() if k not in ("func", "out")},

@@ -27,7 +27,7 @@ import argparse
 import statistics
 
 from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows, vllm_workflows
-from benchmarks.common import add_dtype_argument, log, machine_facts, write_json
+from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
 from benchmarks.scaling_bench import cold_run, context_text
 
 
@@ -122,7 +122,7 @@ def run(args) -> dict:
     }
     biggest = max(args.guide_tokens * 4, args.doc_tokens * 4, args.prefix_tokens * (args.generators + 1),
                   (args.ablation_prefix_tokens + args.a_tokens) * args.ablation_concurrency * 2)
-    pool = int(biggest * 1.25) * 23040
+    pool = int(biggest * 1.25) * kv_bytes_per_token(args.dtype)
     report = {"benchmark": "workflows", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
               "paper": {"map_reduce_latency_reduction": 0.403, "source": "FlashAgents (A100, SGLang)"},

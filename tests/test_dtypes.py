@@ -36,3 +36,10 @@ def test_bench_dtype_argument_resolves_when_parsed():
     assert p.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):
         p.parse_args(["--dtype", "int4"])
+
+
+def test_bench_pools_scale_with_the_dtype():
+    from benchmarks.common import kv_bytes_per_token
+
+    assert kv_bytes_per_token("bfloat16") == 23040  # SmolLM2: 30 layers x K/V x 3 heads x 64 x 2 bytes
+    assert kv_bytes_per_token("float32") == 46080
