@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from aaflow.engine.dtypes import native_bf16, resolve_dtype
+from aaflow.engine.dtypes import DTYPES, native_bf16, resolve_dtype
 
 
 def log(msg: str) -> None:
@@ -56,7 +56,7 @@ def _cpu_model() -> str:
 
 def kv_bytes_per_token(dtype: str, values_per_token: int = 11520) -> int:
     """KV bytes per token in `dtype` (default: SmolLM2-135M, 30 layers x K/V x 3 heads x 64)."""
-    return values_per_token * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return values_per_token * DTYPES[dtype].itemsize
 
 
 def add_dtype_argument(p) -> None:
