@@ -20,6 +20,7 @@ from typing import Callable
 
 from aaflow.calibration_cores import concurrency_slowdown, lent_core_speedup, say
 from aaflow.errors import CostModelError
+from aaflow.machine import cpu_kind, cpu_model
 from costmodel.hardware import HardwareProfile, LinkProfile, hardware_dir
 
 LINK_TOKENS_QUICK = (128, 1024, 4096)
@@ -27,8 +28,9 @@ LINK_TOKENS_FULL = (64, 256, 1024, 2048, 4096, 8192)
 
 
 def default_profile_name() -> str:
-    """This machine's profile name: `local-<hostname>`."""
-    return "local-" + re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())
+    """This machine's profile name: `local-<hostname>-<cpu kind>` (see `aaflow.machine.cpu_kind`):
+    machines that share a hostname but not a CPU kind do not share a profile."""
+    return "local-" + re.sub(r"[^A-Za-z0-9_.-]", "-", f"{socket.gethostname()}-{cpu_kind()}")
 
 
 def cached_profile_path(name: str) -> Path:
@@ -168,7 +170,8 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         measured, _ = _measure_links(pairs[0], wanted, LINK_TOKENS_QUICK if quick else LINK_TOKENS_FULL, progress,
                                      memcpy)
         links.update(measured)
-    source = (f"measured by `aaflow calibrate` on {socket.gethostname()} ({os.cpu_count()} CPUs) at "
+    source = (f"measured by `aaflow calibrate` on {socket.gethostname()} ({cpu_model()}, {cpu_kind()}, "
+              f"{os.cpu_count()} CPUs) at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}; " + "; ".join(report))
     profile = HardwareProfile(name=name, measured=True, source=source, memcpy_bytes_per_s=memcpy, compute=compute,
                               links=links, call_overhead_s=overhead, concurrency_slowdown=slowdown,

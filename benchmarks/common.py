@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from aaflow.engine.dtypes import DTYPES, native_bf16, resolve_dtype
+from aaflow.machine import cpu_kind, cpu_model
 
 
 def log(msg: str) -> None:
@@ -36,7 +37,8 @@ def machine_facts() -> dict:
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
+        "cpu_kind": cpu_kind(),
         "native_bf16": native_bf16(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
@@ -44,14 +46,6 @@ def machine_facts() -> dict:
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
 
 
 def kv_bytes_per_token(dtype: str, values_per_token: int = 11520) -> int:
