@@ -211,3 +211,22 @@ def test_attention_reads_one_run_of_slots_in_place_and_equals_a_gather(q_len):
     gathered, expected = attend(scattered)
     assert in_place.read_start == 17 and gathered.read_start is None
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_folds_query_groups_with_the_results_of_enable_gqa(dtype):
+    import torch.nn.functional as F
+
+    from aaflow.engine.attention import AttentionBatch, paged_attention, write_and_gather
+    from aaflow.engine.kv_cache import KVLayout, PagedKVCache
+
+    cache = PagedKVCache(KVLayout(num_layers=1, num_blocks=32, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype))
+    cache.tensor.copy_(torch.randn(cache.layout.shape))
+    contexts = [torch.arange(3, 30), torch.arange(60, 71)]  # two sequences of different lengths: padded, masked
+    q, k, v = (torch.randn(2, h, 8, dtype=dtype) for h in (6, 2, 2))  # one new token each, 3 query heads per kv head
+    batch = AttentionBatch.decode(torch.stack([c[-1] for c in contexts]), contexts)
+    out = paged_attention(0, q, k, v, cache, batch)  # [2, 6 * 8]
+    qh, kh, vh = write_and_gather(0, q, k, v, cache, batch)  # [2, 6, 1, 8], [2, 2, 27, 8]
+    expected = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=batch.mask, enable_gqa=True)  # [2, 6, 1, 8]
+    assert batch.mask is not None
+    torch.testing.assert_close(out, expected.reshape(2, -1), rtol=0, atol=1e-6 if dtype == torch.float32 else 0)

@@ -115,10 +115,20 @@ def paged_attention(
     cache: PagedKVCache,
     batch: AttentionBatch | PackedBatch,
 ) -> torch.Tensor:  # [T, H * D]
+    """Attend the new tokens over their contexts. A decode step folds each kv head's query group
+    into the query axis instead of `enable_gqa`: the same result (to the last bit in bf16, within
+    an ulp in fp32), and the CPU flash kernel then runs
+    one product per kv head, not one one-row product per query head (SmolLM2, one token over 3,072
+    keys, per layer: bf16 538 against 3,146 us on an AMD EPYC's AVX512-BF16, fp32 673 against 801)."""
     if isinstance(batch, PackedBatch):
         spans = zip(batch.parts, batch.offsets, batch.offsets[1:])
         return torch.cat([paged_attention(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])
     qh, kh, vh = write_and_gather(layer, q, k, v, cache, batch)
+    if batch.q_len == 1:  # decode: each kv head's query group as rows of one product
+        B, heads, _, dim = qh.shape
+        qg = qh.reshape(B, kh.shape[1], -1, dim)  # [B, Hkv, G, D]: query head h reads kv head h // G
+        out = F.scaled_dot_product_attention(qg, kh, vh, attn_mask=batch.mask)  # mask [B, 1, 1, ctx] or None
+        return out.reshape(q.shape[0], -1)  # [B, Hkv, G, D] = [B, H * D]
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=batch.mask, is_causal=batch.is_causal, enable_gqa=True
     )  # [B, H, S, D]
