@@ -91,15 +91,16 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     infos = replica_infos(cluster)
     keys = {model: model_key(info) for model, info in infos.items()}  # compute-entry key per model
     predict = Predictor(cluster, infos, args.chunk_tokens)
-    cells, profiles = [], []
+    cells, profiles, baseline = [], [], {}
     for tokens in args.contexts:
         if not profiles or args.recalibrate:
             profiles.append(calibrate_now())
+            baseline = _probe(ray, cluster, keys) if args.track_drift else {}
         context = context_text(tokenizer, tokens)
         for out in args.outputs:
             wf = edge_workflow(context, out, args.downstream_model)
             spec = workflow_spec(wf, builders)
-            drift = _drift(ray, cluster, profiles[-1], keys) if args.track_drift else {}
+            drift = _drift(ray, cluster, baseline, keys) if args.track_drift else {}
             profile = profiles[-1].with_compute_scaled(drift)
             free: dict[str, float] = {}  # text, recompute, stream: measured with the first link's runs
             for link in args.links:
@@ -127,15 +128,18 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     return cells, profiles
 
 
-def _drift(ray, cluster, profile, keys: dict[str, str]) -> dict[str, float]:
-    """Per compute entry (`keys`: model -> entry): how much slower (> 1) or faster each model's
-    replica runs now than when `profile` was calibrated, from a 512-token prefill timed inside the
-    replica (median of 2, about 1 s)."""
-    factors = {}
-    for model, key in sorted(keys.items()):
-        actor = cluster.replicas(model)[0].actor
-        now = ray.get(actor.calibrate_prefill.remote(((512, 0),), 2))[0][2]
-        factors[key] = now / profile.compute[key].prefill_time(512)
+def _probe(ray, cluster, keys: dict[str, str]) -> dict[str, float]:
+    """Per compute entry (`keys`: model -> entry): seconds of a 512-token prefill timed inside the
+    model's first replica (median of 2, about 1 s)."""
+    return {key: ray.get(cluster.replicas(model)[0].actor.calibrate_prefill.remote(((512, 0),), 2))[0][2]
+            for model, key in sorted(keys.items())}
+
+
+def _drift(ray, cluster, baseline: dict[str, float], keys: dict[str, str]) -> dict[str, float]:
+    """Per compute entry: how much slower (> 1) or faster each model's replica runs now than just
+    after the profile was calibrated, the same probe timed then (`baseline`) and now. Against the
+    probe, not the profile's fit: the fit's own error at 512 tokens is not drift."""
+    factors = {key: now / baseline[key] for key, now in _probe(ray, cluster, keys).items()}
     log("speed now vs calibration: " + ", ".join(f"{k} x{f:.2f}" for k, f in factors.items()))
     return factors
 
