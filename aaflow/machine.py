@@ -16,7 +16,7 @@ def cpu_kind() -> str:
     """The CPU's vendor and the widest matrix instructions torch uses on it: `intel-amx`,
     `amd-avx512bf16`, `intel-avx512`, ... Compute speed differs between kinds far more than
     between machines of one kind, so a measured profile is named for its kind (SmolLM2-135M
-    prefill on one thread, measured here: bf16 0.48 ms/token with AMX, 1.40 with an AMD EPYC's
+    prefill on one thread, measured here: bf16 0.48 ms/token with AMX, 1.24-1.40 with an AMD EPYC's
     AVX512-BF16; fp32 2.73 with an Ice Lake's AVX512)."""
     vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(_cpuinfo_field("vendor_id"), platform.machine())
     checks = (("amx", torch.cpu._is_amx_tile_supported), ("avx512bf16", torch.cpu._is_avx512_bf16_supported),
