@@ -19,10 +19,15 @@ def cpu_kind() -> str:
     prefill on one thread, measured here: bf16 0.48 ms/token with AMX, 1.24-1.40 with an AMD EPYC's
     AVX512-BF16; fp32 2.73 with an Ice Lake's AVX512)."""
     vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(_cpuinfo_field("vendor_id"), platform.machine())
+    isa = matrix_isa()
+    return f"{vendor}-{isa}" if isa else vendor
+
+
+def matrix_isa() -> str | None:
+    """The widest matrix instructions torch uses here: "amx", "avx512bf16", "avx512", "avx2", or None."""
     checks = (("amx", torch.cpu._is_amx_tile_supported), ("avx512bf16", torch.cpu._is_avx512_bf16_supported),
               ("avx512", torch.cpu._is_avx512_supported), ("avx2", torch.cpu._is_avx2_supported))
-    isa = next((name for name, supported in checks if supported()), None)
-    return f"{vendor}-{isa}" if isa else vendor
+    return next((name for name, supported in checks if supported()), None)
 
 
 def _cpuinfo_field(name: str) -> str:
