@@ -84,3 +84,21 @@ def test_baseline_engines_see_the_workflow_as_text_passing():
     assert order[-1] == "meta" and sorted(order[:-1]) == ["r_limitations", "r_method", "r_novelty"]
     meta = agents[-1]
     assert meta["prompt"][0] == "A short document." and {"ref": "r_novelty"} in meta["prompt"]
+
+
+def test_planner_choice_is_timed_over_every_run_of_its_plan():
+    from benchmarks.planner_bench import judge_choice
+
+    samples = {"text": [5.5, 5.5], "recompute": [4.2, 4.4], "transfer": [4.8, 4.8], "auto": [5.0, 5.2]}
+    # auto's plan is recompute for every agent: recompute's runs and auto's are the same calls,
+    # median of [4.2, 4.4, 5.0, 5.2] = 4.7, which is also the best (transfer 4.8)
+    judged = judge_choice(samples, {"A": "recompute", "B": "recompute"})
+    assert judged["choice_s"] == pytest.approx(4.7)
+    assert judged["choice_within_10pct_of_best"] and judged["choice_not_worse_than_text"]
+    assert not judged["auto_within_10pct_of_best"]  # 5.1 > 1.1 * 4.3, as auto's own runs were timed
+    # a mixed plan has no twin: auto's own runs are the choice, 5.1 > 1.1 * 4.3
+    mixed = judge_choice(samples, {"A": "recompute", "B": "transfer"})
+    assert mixed["choice_s"] == pytest.approx(5.1) and not mixed["choice_within_10pct_of_best"]
+    # a plan of the slowest strategy: text's and auto's runs, median 5.35, against recompute's 4.3
+    worst = judge_choice(samples, {"A": "text", "B": "text"})
+    assert worst["choice_s"] == pytest.approx(5.35) and not worst["choice_within_10pct_of_best"]
