@@ -105,13 +105,16 @@ def _plan(args) -> int:
     hardware = _hardware_name(args.hardware)
     cluster = None
     if hardware is None:
-        from aaflow.calibration import find_profile
+        from aaflow.calibration import covers, find_profile
+        from aaflow.planning import replica_infos
 
-        if find_profile() is None:  # calibrating needs live replicas
-            print("aaflow plan: no calibrated profile of this machine yet; starting replicas to calibrate ...")
+        if not covers(find_profile(), replica_infos(replicas, args.dtype)):  # calibrating needs live replicas
+            print(f"aaflow plan: this machine has no calibrated profile for {', '.join(replicas)} in {args.dtype} yet; "
+                  "starting replicas to calibrate ...")
             cluster = af.init(replicas=replicas, dtype=args.dtype)
     try:
-        plan = af.plan(wf, cluster or replicas, hardware=hardware, link=args.link, chunk_tokens=args.chunk_tokens)
+        plan = af.plan(wf, cluster or replicas, hardware=hardware, link=args.link, chunk_tokens=args.chunk_tokens,
+                       dtype=args.dtype)
     finally:
         if cluster is not None:
             cluster.shutdown()

@@ -31,22 +31,31 @@ def workflow_spec(workflow, builders: dict) -> WorkflowSpec:
     return WorkflowSpec(workflow.name, tuple(tasks))
 
 
-def replica_infos(cluster) -> dict[str, dict]:
+def replica_infos(cluster, dtype: str = "auto") -> dict[str, dict]:
     """Per model: what sets its speed (model folder, dtype, threads). From the live replicas of a
-    `Cluster`, or, for a plan made without starting one, from `{model: replicas}` and the
-    defaults `af.init` would use (dtype "auto" resolved on this CPU, the CPUs shared equally)."""
+    `Cluster`, or, for a plan made without starting one, from `{model: replicas}` and what
+    `af.init(dtype=dtype)` would use (`dtype` resolved on this CPU, the CPUs shared equally).
+    Raises `CostModelError` when a live cluster's replicas run another dtype than a named one."""
     import os
 
+    from aaflow.engine.dtypes import resolve_dtype
+
     if isinstance(cluster, dict):
-        from aaflow.engine.dtypes import resolve_dtype
         from aaflow.models import resolve_model_path
 
         threads = max(1, (os.cpu_count() or 1) // sum(cluster.values()))
-        return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": resolve_dtype("auto"),
+        return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": resolve_dtype(dtype),
                     "threads": threads} for m in cluster}
     import ray
 
-    return {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
+    infos = {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
+    running = {i["dtype"] for i in infos.values()}
+    if dtype != "auto" and running != {resolve_dtype(dtype)}:
+        from aaflow.errors import CostModelError
+
+        raise CostModelError(f"the cluster's replicas run {', '.join(sorted(running))}, not {dtype}: plan with "
+                             "dtype='auto' (the replicas' own), or start the cluster with af.init(dtype=...)")
+    return infos
 
 
 def replica_names(cluster) -> tuple[tuple[str, str], ...]:
@@ -102,7 +111,8 @@ def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
 
 
 def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link: str | None = None,
-         chunk_tokens: int = 16, transport: str | None = None, progress: Callable[[str], None] | None = print):
+         chunk_tokens: int = 16, transport: str | None = None, progress: Callable[[str], None] | None = print,
+         dtype: str = "auto"):
     """Plan `workflow` on `cluster`: the strategy per agent and edge, predicted times and memory.
 
     Args:
@@ -112,6 +122,8 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
         link: the link between replicas: a profile link name ("ray", "nixl", "ib-400g") or a
             bandwidth such as "25Gbps" (default: `transport`, else the profile's first link).
         chunk_tokens: the executor's streaming chunk size.
+        dtype: planning without a cluster, the dtype the replicas would run ("auto": what
+            `af.init` picks on this CPU); a live cluster's replicas report their own.
     Returns a `costmodel.plan.Plan`; `print(plan.explain())` shows why each choice was made.
     """
     from aaflow.runtime import _builders, _check_sizes
@@ -119,17 +131,17 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
     workflow.validate(served_models={m for _, m in replica_names(cluster)})
     builders, _, limits = _builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits)
-    return plan_checked(workflow, cluster, builders, hardware, link, chunk_tokens, transport, progress)
+    return plan_checked(workflow, cluster, builders, hardware, link, chunk_tokens, transport, progress, dtype)
 
 
 def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProfile | None = None,
                  link: str | None = None, chunk_tokens: int = 16, transport: str | None = None,
-                 progress: Callable[[str], None] | None = print):
+                 progress: Callable[[str], None] | None = print, dtype: str = "auto"):
     """`plan` for a workflow already validated against `cluster`, with its prompt builders
     (`af.run` has both when it plans for `strategy="auto"`)."""
     from costmodel.planner import plan_workflow
 
-    infos = replica_infos(cluster)
+    infos = replica_infos(cluster, dtype)
     profile = resolve_hardware(cluster, infos, hardware, progress)
     link = link or transport or ("ray" if "ray" in profile.links else next(iter(profile.links), "ray"))
     profile = with_emulated_link(profile, link)

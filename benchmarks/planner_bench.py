@@ -120,7 +120,7 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
             wf = edge_workflow(context, out, args.downstream_model)
             spec = workflow_spec(wf, builders)
             drift = _drift(ray, cluster, baseline, keys) if args.track_drift else {}
-            profile = profiles[-1].with_compute_scaled(drift)
+            profile = profiles[-1].with_compute_scaled(drift["prefill"], drift["decode"]) if drift else profiles[-1]
             for link in args.links:
                 plan = plan_checked(wf, cluster, builders, hardware=profile, transport=link,
                                     chunk_tokens=args.chunk_tokens, progress=None)
@@ -140,19 +140,31 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     return cells, profiles
 
 
-def _probe(ray, cluster, keys: dict[str, str]) -> dict[str, float]:
-    """Per compute entry (`keys`: model -> entry): seconds of a 512-token prefill timed inside the
-    model's first replica (median of 2, about 1 s)."""
-    return {key: ray.get(cluster.replicas(model)[0].actor.calibrate_prefill.remote(((512, 0),), 2))[0][2]
-            for model, key in sorted(keys.items())}
+PROBE_PREFILL, PROBE_DECODE = ((512, 0),), ((1, 512),)  # a 512-token prefill; decode steps at 512 tokens
 
 
-def _drift(ray, cluster, baseline: dict[str, float], keys: dict[str, str]) -> dict[str, float]:
-    """Per compute entry: how much slower (> 1) or faster each model's replica runs now than just
-    after the profile was calibrated, the same probe timed then (`baseline`) and now. Against the
-    probe, not the profile's fit: the fit's own error at 512 tokens is not drift."""
-    factors = {key: now / baseline[key] for key, now in _probe(ray, cluster, keys).items()}
-    log("speed now vs calibration: " + ", ".join(f"{k} x{f:.2f}" for k, f in factors.items()))
+def _probe(ray, cluster, keys: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """Per compute entry (`keys`: model -> entry): (seconds of a 512-token prefill, median of 2;
+    seconds of a decode step at 512 tokens, median of 16), timed inside the model's first replica
+    (about 2 s)."""
+    probes = {}
+    for model, key in sorted(keys.items()):
+        actor = cluster.replicas(model)[0].actor
+        prefill = ray.get(actor.calibrate_prefill.remote(PROBE_PREFILL, 2))[0][2]
+        decode = ray.get(actor.calibrate_decode.remote(PROBE_DECODE, 16))[0][2]
+        probes[key] = (prefill, decode)
+    return probes
+
+
+def _drift(ray, cluster, baseline: dict, keys: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per compute entry, how much slower (> 1) or faster each model's replica prefills and decodes
+    now than just after the profile was calibrated: the same probes timed then (`baseline`) and now.
+    Against the probes, not the profile's fit: the fit's own error is not drift. Prefill and decode
+    drift apart on this shared machine (one run: prefill x0.97 while decode ran 20% slow)."""
+    now = _probe(ray, cluster, keys)
+    factors = {part: {key: now[key][i] / baseline[key][i] for key in now} for i, part in enumerate(("prefill", "decode"))}
+    log("speed now vs calibration: " + ", ".join(
+        f"{key} prefill x{factors['prefill'][key]:.2f}, decode x{factors['decode'][key]:.2f}" for key in now))
     return factors
 
 
@@ -189,8 +201,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recalibrate", action="store_true",
                    help="calibrate again before each context length (a shared machine's speed drifts)")
     p.add_argument("--track-drift", action="store_true",
-                   help="before each cell, time a 512-token prefill per model (median of 2) and scale the compute profile by "
-                        "how much slower or faster the machine runs than at calibration")
+                   help="before each cell, time a 512-token prefill and decode steps at 512 tokens per model and scale the "
+                        "profile's prefill and decode terms by how much slower or faster they run than at calibration")
     p.add_argument("--downstream-model", default="smollm2",
                    help="B's model; another one (e.g. llama-360m-random) gets its own replica: a different-model edge")
     p.add_argument("--combine", nargs="+", metavar="JSON", default=None,

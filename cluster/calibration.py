@@ -55,7 +55,7 @@ class Calibration:
         finally:
             self.engine.free(seq)
 
-    def calibrate_decode(self, points=QUICK_DECODE, steps: int = 4) -> list[tuple[int, int, float]]:
+    def calibrate_decode(self, points=QUICK_DECODE, steps: int = 12) -> list[tuple[int, int, float]]:
         """Seconds per batched decode step of `batch` sequences holding `context` tokens each."""
         samples = []
         for i, (batch, context) in enumerate(points):

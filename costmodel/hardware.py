@@ -72,12 +72,15 @@ class ComputeProfile:
         calls = -(-new_tokens // chunk_tokens)
         return self.prefill_time(new_tokens, context_tokens) + (calls - 1) * self.prefill_fixed_s
 
-    def scaled(self, factor: float) -> "ComputeProfile":
-        """Every time term multiplied by `factor` (> 0): the same replica running uniformly slower or
-        faster, as a shared machine drifts."""
-        if not (math.isfinite(factor) and factor > 0):
-            raise CostModelError(f"ComputeProfile.scaled: factor must be positive and finite, got {factor!r}")
-        return ComputeProfile(*(getattr(self, f.name) * factor for f in fields(self)))
+    def scaled(self, factor: float, decode_factor: float | None = None) -> "ComputeProfile":
+        """Prefill terms multiplied by `factor` and decode terms by `decode_factor` (default:
+        `factor`), both > 0: the same replica running slower or faster, as a shared machine drifts."""
+        decode_factor = factor if decode_factor is None else decode_factor
+        for name, f in (("factor", factor), ("decode_factor", decode_factor)):
+            if not (math.isfinite(f) and f > 0):
+                raise CostModelError(f"ComputeProfile.scaled: {name} must be positive and finite, got {f!r}")
+        return ComputeProfile(*(getattr(self, f.name) * (decode_factor if f.name.startswith("decode") else factor)
+                                for f in fields(self)))
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -181,9 +184,13 @@ class HardwareProfile:
             raise CostModelError(f"hardware {self.name!r}: {name_or_bandwidth!r} is neither a link of "
                                  f"{sorted(self.links)} nor 'BANDWIDTH[,LATENCY]' ({exc})") from None
 
-    def with_compute_scaled(self, factors: dict[str, float]) -> "HardwareProfile":
-        """A copy whose compute entries named in `factors` are scaled (see `ComputeProfile.scaled`)."""
-        return replace(self, compute={k: c.scaled(factors[k]) if k in factors else c for k, c in self.compute.items()})
+    def with_compute_scaled(self, factors: dict[str, float],
+                            decode_factors: dict[str, float] | None = None) -> "HardwareProfile":
+        """A copy whose compute entries named in `factors` are scaled (see `ComputeProfile.scaled`;
+        decode terms by `decode_factors` where it names the entry)."""
+        decode_factors = decode_factors or {}
+        return replace(self, compute={k: c.scaled(factors[k], decode_factors.get(k)) if k in factors else c
+                                      for k, c in self.compute.items()})
 
     def with_link(self, name: str, link: LinkProfile) -> "HardwareProfile":
         """A copy with `link` added (or replaced) under `name`."""

@@ -327,6 +327,11 @@ def test_scaled_compute_scales_every_term_and_rejects_bad_factors():
     hw = HardwareProfile(name="t", measured=True, source="test", memcpy_bytes_per_s=1e9, compute={"a": c, "b": c})
     slow = hw.with_compute_scaled({"a": 1.5})
     assert slow.compute["a"].decode_fixed_s == pytest.approx(0.075) and slow.compute["b"] == c
+    split = hw.with_compute_scaled({"a": 1.5}, decode_factors={"a": 0.5}).compute["a"]
+    assert split.prefill_time(300, 100) == pytest.approx(1.5 * c.prefill_time(300, 100))
+    assert split.decode_step_time(4, 1000) == pytest.approx(0.5 * c.decode_step_time(4, 1000))
+    with pytest.raises(CostModelError, match="decode_factor"):
+        c.scaled(1.0, 0.0)
 
 
 def test_contention_estimate_uses_both_solo_timings_and_reports_drift():

@@ -69,6 +69,15 @@ def test_plan_refuses_unknown_hardware_and_bad_links(calibrated):
         af.plan(map_reduce(model), {model: 2}, hardware=profile, link="fast-ish")
 
 
+def test_plan_without_a_cluster_uses_the_named_dtype(calibrated):
+    cluster, model, profile, _ = calibrated
+    wf = map_reduce(model)
+    plans = {d: af.plan(wf, {model: 2}, hardware="a100-80gb", link="25Gbps", dtype=d) for d in ("float32", "bfloat16")}
+    assert plans["float32"].baseline.peak_kv_bytes == 2 * plans["bfloat16"].baseline.peak_kv_bytes
+    with pytest.raises(af.CostModelError, match="run float32, not bfloat16"):  # the live replicas' dtype rules
+        af.plan(wf, cluster, hardware=profile, dtype="bfloat16")
+
+
 def test_plan_without_a_profile_says_to_calibrate(calibrated, monkeypatch, tmp_path):
     _, model, _, _ = calibrated
     monkeypatch.setattr("aaflow.calibration.default_profile_name", lambda: "never-calibrated-host")
