@@ -83,7 +83,7 @@ def judge_choice(samples: dict[str, list[float]], decisions: dict[str, str]) -> 
 
     The planner's choice is a plan; when it gives every agent the same strategy, `auto` runs
     exactly the calls of that strategy, so the choice is timed over both runs' samples (and so is
-    that strategy). `auto_run`: auto's own runs against the others', as timed."""
+    that strategy). `auto_*`: auto's own runs against the other strategies' own runs, as timed."""
     chosen = set(decisions.values())
     uniform = chosen.pop() if len(chosen) == 1 and decisions else None
     pooled = {s: v + samples["auto"] if s == uniform else v for s, v in samples.items() if s != "auto"}
