@@ -85,11 +85,11 @@ def judge_choice(samples: dict[str, list[float]], decisions: dict[str, str]) -> 
     exactly the calls of that strategy, so the choice is timed over both runs' samples (and so is
     that strategy). `auto_*`: auto's own runs against the other strategies' own runs, as timed."""
     chosen = set(decisions.values())
-    uniform = chosen.pop() if len(chosen) == 1 and decisions else None
+    uniform = chosen.pop() if len(chosen) == 1 else None
     pooled = {s: v + samples["auto"] if s == uniform else v for s, v in samples.items() if s != "auto"}
     medians = {s: statistics.median(v) for s, v in pooled.items()}
-    choice = medians[uniform] if uniform in medians else statistics.median(samples["auto"])
     auto = statistics.median(samples["auto"])
+    choice = medians.get(uniform, auto)
     own = {s: statistics.median(v) for s, v in samples.items() if s != "auto"}
     return {"choice_s": choice, "choice_within_10pct_of_best": choice <= 1.10 * min(medians.values()),
             "choice_not_worse_than_text": choice <= medians["text"],
@@ -160,7 +160,7 @@ def _drift(ray, cluster, baseline: dict, keys: dict[str, str]) -> dict[str, dict
     """Per compute entry, how much slower (> 1) or faster each model's replica prefills and decodes
     now than just after the profile was calibrated: the same probes timed then (`baseline`) and now.
     Against the probes, not the profile's fit: the fit's own error is not drift. Prefill and decode
-    drift apart on this shared machine (one run: prefill x0.97 while decode ran 20% slow)."""
+    drift apart on this shared machine (one cell: prefill x0.98, decode x0.78)."""
     now = _probe(ray, cluster, keys)
     factors = {part: {key: now[key][i] / baseline[key][i] for key in now} for i, part in enumerate(("prefill", "decode"))}
     log("speed now vs calibration: " + ", ".join(
