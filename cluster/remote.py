@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from aaflow.errors import KVLocationError, ModelMismatchError
+from aaflow.errors import AAFlowError, KVLocationError, ModelMismatchError
 from cluster.cluster import Cluster, ReplicaHandle
 from cluster.replica import RefRecord
 
@@ -51,9 +51,16 @@ class RemoteKVRef:
 
 
 def _get(ref):
+    """The result of a replica call; an aaflow error raised in the replica comes back as itself,
+    not wrapped in Ray's `RayTaskError` (whose traceback names Ray internals)."""
     import ray
 
-    return ray.get(ref)
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, AAFlowError):
+            raise err.cause from None
+        raise
 
 
 def best_transport() -> str:

@@ -69,3 +69,16 @@ def test_unserved_model(cluster):
     c, _ = cluster
     with pytest.raises(af.ModelMismatchError, match="serves no replica of 'nope'"):
         af.materialize(c, "nope", "hello")
+
+
+def test_replica_side_errors_arrive_as_aaflow_errors_not_ray_wrappers(cluster):
+    import ray
+
+    c, model = cluster
+    kv = af.materialize(c, model, CONTEXT)
+    other = af.materialize(c, model, QUESTION * 4)
+    with pytest.raises(af.KVComposeError, match="mode='rerotate'") as info:
+        af.compose(kv, other)
+    assert not isinstance(info.value, ray.exceptions.RayTaskError)
+    af.free(kv)
+    af.free(other)
