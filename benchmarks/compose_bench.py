@@ -3,7 +3,13 @@
 For pairs of independent passages A and B (each materialized alone), compose(A, B) is compared
 with a full recompute of A+B: the reference greedily answers a question after A+B; that answer is
 teacher-forced through both KVs and the top-1 next tokens and KL divergence are compared at every
-position. Time saved = full prefill of A+B vs the compose itself.
+position. `top1_agreement` counts every position of question + answer; `top1_answer` only the
+positions that predict the answer's tokens (what the agent would generate). Time saved = full
+prefill of A+B vs the compose itself.
+
+Passages come from `configs/bench/passages.yaml` (40-60 tokens each), or with `--source
+python-docs` from the Python reference shipped with the interpreter (`pydoc_data`), cut to
+`--segment-tokens` tokens: RAG-sized chunks rather than paragraphs.
 """
 
 from __future__ import annotations
@@ -25,19 +31,22 @@ def run(args) -> dict:
         args.pairs, args.ratios = 4, [0.15]
     import aaflow as af
     from operators import KVHost
-    from operators.compose import next_token_agreement
+    from operators.compose import agreement_by_position
 
     torch.set_num_threads(args.threads)
     data = yaml.safe_load((CONFIG_DIR / "bench" / "passages.yaml").read_text())
     engine = af.Engine.from_pretrained(args.model, dtype=args.dtype, prefix_caching=False)
     host = KVHost(engine, name="bench")
     system = engine.encode("<|im_start|>system\nYou answer questions about the passages.<|im_end|>\n<|im_start|>user\n")
-    pairs = list(itertools.permutations(range(len(data["passages"])), 2))[: args.pairs]
+    passages = _passages(engine, args.source, data, args.segment_tokens)
+    pairs = list(itertools.permutations(range(len(passages)), 2))
+    if args.pairs:  # a subset, spread over every passage
+        pairs = pairs[:: max(1, len(pairs) // args.pairs)][: args.pairs]
     modes = [("rerotate", 0.0)] + [("blend", r) for r in args.ratios]
     rows: dict[str, list[dict]] = {f"{m}@{r}" if m == "blend" else m: [] for m, r in modes}
     for n, (i, j) in enumerate(pairs):
-        a_ids = system + engine.encode(data["passages"][i] + "\n")
-        b_ids = engine.encode(data["passages"][j] + "\n")
+        newline = engine.encode("\n")
+        a_ids, b_ids = system + passages[i] + newline, passages[j] + newline
         question = engine.encode(data["questions"][n % len(data["questions"])] + "<|im_end|>\n<|im_start|>assistant\n")
         answer = engine.generate(a_ids + b_ids + question, max_new_tokens=args.answer_tokens).token_ids
         probe = question + answer
@@ -51,9 +60,11 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             c = af.compose(a, b, mode=mode, r=r)
             compose_s = time.perf_counter() - t0
-            top1, kl = next_token_agreement(host, host.sequence(c), list(c.token_ids), probe)
+            agree, kl = agreement_by_position(host, host.sequence(c), list(c.token_ids), probe)
             key = f"{mode}@{r}" if mode == "blend" else mode
-            rows[key].append({"pair": [i, j], "top1_agreement": top1, "kl": kl, "compose_s": compose_s,
+            rows[key].append({"pair": [i, j], "top1_agreement": float(agree.mean()), "kl": float(kl.mean()),
+                              "top1_answer": float(agree[len(question) - 1:-1].mean()),  # predicts answer[k]
+                              "compose_s": compose_s,
                               "full_prefill_s": full_s, "recomputed": c.fidelity.recomputed_tokens,
                               "tokens": c.fidelity.total_tokens})
             af.free(c)
@@ -61,13 +72,15 @@ def run(args) -> dict:
         af.free(b)
         log(f"pair {n + 1}/{len(pairs)}: " + ", ".join(f"{k} top1 {v[-1]['top1_agreement']:.2f}" for k, v in rows.items()))
     summary = {k: {"top1_agreement_mean": statistics.mean(x["top1_agreement"] for x in v),
+                   "top1_answer_mean": statistics.mean(x["top1_answer"] for x in v),
                    "kl_median": statistics.median(x["kl"] for x in v),
                    "compose_s_median": statistics.median(x["compose_s"] for x in v),
                    "full_prefill_s_median": statistics.median(x["full_prefill_s"] for x in v),
                    "recomputed_fraction": statistics.mean(x["recomputed"] / x["tokens"] for x in v)}
                for k, v in rows.items()}
     for k, s in summary.items():
-        log(f"{k:>12}: top-1 agreement {s['top1_agreement_mean']:.3f}, KL median {s['kl_median']:.4f}, "
+        log(f"{k:>12}: top-1 agreement {s['top1_agreement_mean']:.3f} (answer {s['top1_answer_mean']:.3f}), "
+            f"KL median {s['kl_median']:.4f}, "
             f"compose {s['compose_s_median'] * 1e3:.0f} ms vs full prefill {s['full_prefill_s_median'] * 1e3:.0f} ms")
     report = {"benchmark": "compose", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
@@ -81,11 +94,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2")
     add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=12)
+    p.add_argument("--pairs", type=int, default=0,
+                   help="how many ordered passage pairs (0: all; the 8 shipped passages make 56)")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.1, 0.15, 0.3])
     p.add_argument("--answer-tokens", type=int, default=24)
+    p.add_argument("--source", choices=["passages", "python-docs"], default="passages",
+                   help="short passages (configs/bench/passages.yaml) or sections of the Python reference")
+    p.add_argument("--segment-tokens", type=int, default=0,
+                   help="cut every passage to this many tokens (0: whole; python-docs needs it)")
     p.add_argument("--out", default="results/compose.json")
     p.add_argument("--quick", action="store_true", help="four pairs, r = 0.15 only")
+
+
+PYTHON_DOCS_TOPICS = ("assignment", "attribute-access", "calls", "comparisons", "execmodel", "import", "naming",
+                      "try", "function", "sequence-types", "numeric-types", "objects")
+
+
+def _passages(engine, source: str, data: dict, segment_tokens: int) -> list[list[int]]:
+    """Token ids of each passage, cut to `segment_tokens` when that is set."""
+    if source == "python-docs":
+        if segment_tokens <= 0:
+            raise SystemExit("--source python-docs needs --segment-tokens N (its sections run to thousands of tokens)")
+        from pydoc_data.topics import topics
+
+        texts = [topics[name] for name in PYTHON_DOCS_TOPICS]
+    else:
+        texts = data["passages"]
+    ids = [engine.encode(t) for t in texts]
+    return [x[:segment_tokens] for x in ids] if segment_tokens > 0 else ids
 
 
 def _plot(out, report) -> None:

@@ -96,6 +96,14 @@ def join_parts(parts: Sequence[tuple[str, Sequence[int], torch.Tensor]], mode: s
 def next_token_agreement(host, seq: int, tokens: list[int], probe: list[int]) -> tuple[float, float]:
     """Over every probe position: the fraction of top-1 next tokens that agree, and the mean
     KL(recompute || composed), comparing the composed sequence with a full recompute of tokens + probe."""
+    agree, kl = agreement_by_position(host, seq, tokens, probe)
+    return float(agree.mean()), float(kl.mean())
+
+
+def agreement_by_position(host, seq: int, tokens: list[int], probe: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-force `probe` after the composed sequence and after a full recompute of `tokens`;
+    returns, per probe position, whether the top-1 next tokens agree (1.0 / 0.0) and
+    KL(recompute || composed), both [len(probe)] float64."""
     engine = host.engine
     trial = engine.fork(seq)
     reference = engine.new_sequence()
@@ -107,5 +115,5 @@ def next_token_agreement(host, seq: int, tokens: list[int], probe: list[int]) ->
         engine.free(reference)
     log_p, log_q = torch.log_softmax(exact.double(), -1), torch.log_softmax(approx.double(), -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [len(probe)]
-    agree = (exact.argmax(-1) == approx.argmax(-1)).double()
-    return float(agree.mean()), float(kl.mean())
+    agree = (exact.argmax(-1) == approx.argmax(-1)).double()  # [len(probe)]
+    return agree, kl
