@@ -10,7 +10,7 @@ from aaflow.errors import AAFlowError
 
 
 class ClusterError(AAFlowError, RuntimeError):
-    """The cluster could not be started, placed or reached."""
+    """The cluster could not be started, placed or reached (a replica died, or it was shut down)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class Cluster:
 
             actor_cls["vllm"] = ray.remote(VLLMReplica)
         self._replicas: list[ReplicaHandle] = []
+        self._closed = False
         index = 0
         for model, count in replicas.items():
             for i in range(count):
@@ -120,6 +121,8 @@ class Cluster:
 
     def replicas(self, model: str | None = None) -> list[ReplicaHandle]:
         """Replica handles, all or those serving `model`."""
+        if self._closed:
+            raise ClusterError("this cluster was shut down; start another with af.init")
         return [r for r in self._replicas if model is None or r.model == model]
 
     @property
@@ -138,6 +141,7 @@ class Cluster:
                 pass
             ray.kill(r.actor)
         self._replicas = []
+        self._closed = True
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

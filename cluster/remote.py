@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from aaflow.errors import AAFlowError, KVLocationError, ModelMismatchError
-from cluster.cluster import Cluster, ReplicaHandle
+from aaflow.errors import AAFlowError, KVLocationError, KVTransferError, ModelMismatchError
+from cluster.cluster import Cluster, ClusterError, ReplicaHandle
 from cluster.replica import RefRecord
 
 PREFERRED_TRANSPORTS = ("nixl", "ray", "ucx")  # fastest measured here first (see docs/RESULTS.md)
@@ -50,17 +50,28 @@ class RemoteKVRef:
         return len(self.record.token_ids)
 
 
-def _get(ref):
-    """The result of a replica call; an aaflow error raised in the replica comes back as itself,
-    not wrapped in Ray's `RayTaskError` (whose traceback names Ray internals)."""
+def _call(replica: ReplicaHandle, method: str, *args, **kwargs):
+    """Call `method` on a replica actor and wait for the result.
+
+    An aaflow error (or a `ValueError` about an argument) raised in the replica comes back as
+    itself, not wrapped in Ray's `RayTaskError`; a dead replica, or a cluster already shut down,
+    raises `ClusterError`."""
     import ray
 
+    if not ray.is_initialized():
+        raise ClusterError(f"replica {replica.name} is gone: Ray is not running (was the cluster shut down?); "
+                           "start one with af.init and materialize the context again")
     try:
-        return ray.get(ref)
+        return ray.get(getattr(replica.actor, method).remote(*args, **kwargs))
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, AAFlowError):
             raise err.cause from None
+        if isinstance(err.cause, ValueError):
+            raise err.cause from err
         raise
+    except ray.exceptions.RayActorError as err:
+        raise ClusterError(f"replica {replica.name} died or was stopped: the KV it held is lost; "
+                           "materialize the context again on a live replica") from err
 
 
 def best_transport() -> str:
@@ -77,7 +88,7 @@ def materialize(cluster: Cluster, model: str, text_or_ids: str | Sequence[int], 
     if not candidates:
         raise ModelMismatchError(f"the cluster serves no replica of {model!r} (serves {sorted(cluster.models)})")
     target = replica or candidates[0]
-    return RemoteKVRef(_get(target.actor.materialize.remote(text_or_ids, lineage)), target)
+    return RemoteKVRef(_call(target, "materialize", text_or_ids, lineage), target)
 
 
 def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None = None) -> RemoteKVRef:
@@ -85,16 +96,19 @@ def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None 
     if destination.name == kv.replica.name:
         return fork(kv, 1)[0]
     transport = transport or best_transport()
-    handle, shape, record = _get(kv.replica.actor.expose.remote(kv.id, transport))
+    handle, shape, record = _call(kv.replica, "expose", kv.id, transport)
     try:
-        received, _ = _get(destination.actor.receive.remote(handle, shape, record, transport))
+        received, _ = _call(destination, "receive", handle, shape, record, transport)
+    except ClusterError as err:
+        raise KVTransferError(f"transfer of {kv.id} to {destination.name} failed: {err}; "
+                              f"{kv.id} is intact on {kv.replica.name}") from err
     finally:
-        _get(kv.replica.actor.release.remote(handle, transport))
+        _call(kv.replica, "release", handle, transport)
     return RemoteKVRef(received, destination)
 
 
 def fork(kv: RemoteKVRef, n: int = 2) -> list[RemoteKVRef]:
-    return [RemoteKVRef(r, kv.replica) for r in _get(kv.replica.actor.fork.remote(kv.id, n))]
+    return [RemoteKVRef(r, kv.replica) for r in _call(kv.replica, "fork", kv.id, n)]
 
 
 def compose(*kvs: RemoteKVRef, mode: str = "exact", r: float = 0.15) -> RemoteKVRef:
@@ -103,24 +117,24 @@ def compose(*kvs: RemoteKVRef, mode: str = "exact", r: float = 0.15) -> RemoteKV
         if kv.replica.name != home.name:
             raise KVLocationError(f"cannot compose {kvs[0].id} on {home.name} with {kv.id} on {kv.replica.name}: "
                                   "transfer one of them first (af.transfer(kv, replica))")
-    return RemoteKVRef(_get(home.actor.compose.remote([k.id for k in kvs], mode, r)), home)
+    return RemoteKVRef(_call(home, "compose", [k.id for k in kvs], mode, r), home)
 
 
 def evict(kv: RemoteKVRef, spill: bool | None = None) -> None:
-    _get(kv.replica.actor.evict.remote(kv.id, spill))
+    _call(kv.replica, "evict", kv.id, spill)
 
 
 def free(kv: RemoteKVRef) -> None:
-    _get(kv.replica.actor.free.remote(kv.id))
+    _call(kv.replica, "free", kv.id)
 
 
 def pin(kv: RemoteKVRef, ttl_s: float | None = None) -> None:
-    _get(kv.replica.actor.pin.remote(kv.id, ttl_s))
+    _call(kv.replica, "pin", kv.id, ttl_s)
 
 
 def unpin(kv: RemoteKVRef) -> None:
-    _get(kv.replica.actor.unpin.remote(kv.id))
+    _call(kv.replica, "unpin", kv.id)
 
 
 def generate(kv: RemoteKVRef, text_or_ids, max_new_tokens: int = 32, **sampling):
-    return _get(kv.replica.actor.generate.remote(kv.id, text_or_ids, max_new_tokens, **sampling))
+    return _call(kv.replica, "generate", kv.id, text_or_ids, max_new_tokens, **sampling)

@@ -36,6 +36,8 @@ def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", 
         raise KVComposeError("compose needs at least one KVRef")
     if mode not in ("exact", "rerotate", "blend"):
         raise KVComposeError(f"unknown compose mode {mode!r}: use 'exact', 'rerotate' or 'blend'")
+    if mode == "blend" and not (isinstance(r, (int, float)) and 0 <= r <= 1):
+        raise KVComposeError(f"blend's recompute fraction r must be a number in [0, 1], got {r!r}")
     host = kvs[0].host
     for part in kvs[1:]:
         if part.host is not host:

@@ -82,3 +82,18 @@ def test_replica_side_errors_arrive_as_aaflow_errors_not_ray_wrappers(cluster):
     assert not isinstance(info.value, ray.exceptions.RayTaskError)
     af.free(kv)
     af.free(other)
+
+
+def test_bad_operator_arguments_raise_clean_errors(cluster):
+    import ray
+
+    c, model = cluster
+    kv = af.materialize(c, model, CONTEXT)
+    with pytest.raises(ValueError, match="fork needs n >= 1") as info:
+        af.fork(kv, 0)
+    assert not isinstance(info.value, ray.exceptions.RayTaskError)
+    with pytest.raises(af.KVComposeError, match=r"r must be a number in \[0, 1\], got 2"):
+        af.compose(kv, af.materialize(c, model, QUESTION), mode="blend", r=2)
+    assert af.generate(kv, QUESTION, 4, ignore_eos=True).token_ids == recompute(kv.replica, CONTEXT + QUESTION, 4)
+    af.free(kv)
+
