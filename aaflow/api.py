@@ -51,7 +51,25 @@ def _dispatch(name: str):
     return op
 
 
-transfer = _dispatch("transfer")
+def transfer(kv, destination, *args, **kwargs):
+    """Copy kv's KV to `destination`: a replica handle (`cluster.replicas(model)[i]`) for a cluster
+    ref; a `KVHost` or an `Engine` for an in-process ref (see operators.transfer)."""
+    if _is_remote(kv):
+        from cluster import remote
+
+        return remote.transfer(kv, destination, *args, **kwargs)
+    import operators
+
+    if not isinstance(destination, operators.KVHost):
+        if not hasattr(destination, "export_kv"):
+            from aaflow.errors import KVLocationError
+
+            raise KVLocationError(f"transfer needs a destination engine or KVHost for an in-process KVRef, "
+                                  f"got {type(destination).__name__}")
+        destination = host_of(destination)
+    return operators.transfer(kv, destination, *args, **kwargs)
+
+
 fork = _dispatch("fork")
 evict = _dispatch("evict")
 free = _dispatch("free")

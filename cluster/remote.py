@@ -93,6 +93,9 @@ def materialize(cluster: Cluster, model: str, text_or_ids: str | Sequence[int], 
 
 def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None = None) -> RemoteKVRef:
     """An exact copy of kv's blocks on `destination` (a fork when it is already there)."""
+    if not isinstance(destination, ReplicaHandle):
+        raise KVLocationError(f"transfer needs a replica handle (cluster.replicas(model)[i]) for a cluster KVRef, "
+                              f"got {type(destination).__name__}")
     if destination.name == kv.replica.name:
         return fork(kv, 1)[0]
     transport = transport or best_transport()

@@ -134,6 +134,8 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
 
     def fork(self, ref_id: str, n: int) -> list[RefRecord]:
         """n refs sharing the payload (payloads are immutable)."""
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n!r}")
         payload = self._ref(ref_id)
         return [self._record(payload, self._refs.fidelity(ref_id)) for _ in range(n)]
 

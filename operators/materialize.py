@@ -4,16 +4,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from aaflow.errors import PromptError
 from operators.host import KVHost
 from operators.ref import KVRef, Lineage
 
 
 def _token_ids(host: KVHost, text_or_ids: str | Sequence[int]) -> list[int]:
-    ids = host.engine.encode(text_or_ids) if isinstance(text_or_ids, str) else [int(t) for t in text_or_ids]
-    if not ids:
-        raise PromptError("cannot materialize an empty context: give at least one token of text")
-    return ids
+    """Token ids of a text or an id list: `PromptError` when empty or outside the vocabulary."""
+    return host.engine.prompt_ids(text_or_ids)
 
 
 def materialize(host: KVHost, text_or_ids: str | Sequence[int], *, lineage: bool = True,

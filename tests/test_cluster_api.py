@@ -94,6 +94,10 @@ def test_bad_operator_arguments_raise_clean_errors(cluster):
     assert not isinstance(info.value, ray.exceptions.RayTaskError)
     with pytest.raises(af.KVComposeError, match=r"r must be a number in \[0, 1\], got 2"):
         af.compose(kv, af.materialize(c, model, QUESTION), mode="blend", r=2)
+    with pytest.raises(af.KVLocationError, match="needs a replica handle"):
+        af.transfer(kv, "smollm2-1")
+    with pytest.raises(af.PromptError, match="outside the vocabulary"):
+        af.materialize(c, model, [10**6])
     assert af.generate(kv, QUESTION, 4, ignore_eos=True).token_ids == recompute(kv.replica, CONTEXT + QUESTION, 4)
     af.free(kv)
 

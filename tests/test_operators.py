@@ -211,6 +211,24 @@ def test_bad_operator_arguments(host):
         af.compose(kv, mode="magic")
     with pytest.raises(af.PromptError):
         af.materialize(host, "")
+    vocab = host.engine.config.vocab_size
+    with pytest.raises(af.PromptError, match=f"token ids \\[{vocab}\\] are outside the vocabulary"):
+        af.materialize(host, DOC + [vocab])
+    with pytest.raises(af.KVComposeError, match=r"r must be a number in \[0, 1\]"):
+        af.compose(kv, af.materialize(host, QUESTION), mode="blend", r=1.5)
+    with pytest.raises(af.KVLocationError, match="needs a destination engine or KVHost"):
+        af.transfer(kv, "b")
+    assert greedy(kv, QUESTION) == recompute_greedy(host, DOC + QUESTION)  # nothing lost
+
+
+def test_transfer_to_an_engine_uses_its_host(host, make_engine, tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_blocks=64)
+    kv = af.materialize(host, DOC)
+    moved = af.transfer(kv, engine)
+    assert moved.host is engine.kv_host and moved.host is not host
+    assert torch.equal(host.engine.export_kv(host.sequence(kv)).kv, engine.export_kv(moved.host.sequence(moved)).kv)
+    assert greedy(moved, QUESTION) == recompute_greedy(host, DOC + QUESTION)
+    moved.host.close()
 
 
 def test_approximate_kv_never_serves_prefix_cache_hits(host):

@@ -199,7 +199,7 @@ class Engine(PromptText):
 
         params = params or SamplingParams()
         start = time.perf_counter()
-        ids = [self._prompt_ids(p) for p in prompts]
+        ids = [self.prompt_ids(p) for p in prompts]
         own = seq_ids is None
         seq_ids = [self.new_sequence() for _ in ids] if own else list(seq_ids)
         try:

@@ -24,7 +24,7 @@ class PromptText:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         """Token ids of a text or an id list; ids outside the vocabulary and empty prompts raise `PromptError`."""
         if isinstance(prompt, str):
             ids = self.encode(prompt) if prompt else []

@@ -117,7 +117,7 @@ class VLLMEngine(PromptText):
                        kvs: Seq | None = None) -> list[GenerationOutput]:
         """All prompts in one vLLM batch (continuous batching); `kvs[i]` as `generate`'s `kv`."""
         params = params or SamplingParams()
-        ids = [self._prompt_ids(p) for p in prompts]
+        ids = [self.prompt_ids(p) for p in prompts]
         kvs = list(kvs) if kvs is not None else [None] * len(ids)
         loads = [self._stage_kv(kv, p) if kv is not None else None for kv, p in zip(kvs, ids)]
         try:
@@ -137,7 +137,7 @@ class VLLMEngine(PromptText):
         vLLM generates one token (not part of the export); prompt blocks already in vLLM's prefix
         cache are reused and read back like the rest.
         """
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         path = self._new_file()
         try:
             self._run([self._request(ids, SamplingParams(max_new_tokens=1), save=path)])
@@ -170,7 +170,7 @@ class VLLMEngine(PromptText):
                       use_prefix_cache: bool = True) -> None:
         """Add a request that stays in vLLM until it finishes or `abort_requests`; its tokens come
         from `next_tokens`. `kv_file` (from `stage_kv`) is loaded through the aaflow connector."""
-        req = self._request(self._prompt_ids(prompt_ids), params, load=kv_file)
+        req = self._request(self.prompt_ids(prompt_ids), params, load=kv_file)
         req["no_cache"] = not use_prefix_cache
         self._call({"op": "add", "rid": rid, "request": req})
 
