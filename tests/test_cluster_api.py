@@ -100,4 +100,3 @@ def test_bad_operator_arguments_raise_clean_errors(cluster):
         af.materialize(c, model, [10**6])
     assert af.generate(kv, QUESTION, 4, ignore_eos=True).token_ids == recompute(kv.replica, CONTEXT + QUESTION, 4)
     af.free(kv)
-

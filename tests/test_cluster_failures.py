@@ -24,7 +24,8 @@ def test_a_dead_replica_and_a_shut_down_cluster_raise_cluster_errors(tiny_llama_
             af.generate(lost, QUESTION, 4)
         with pytest.raises(af.KVTransferError, match=f"{kv.id} is intact on {a.name}"):
             af.transfer(kv, b)
-        assert af.generate(kv, QUESTION, 4, ignore_eos=True).token_ids == ray.get(a.actor.generate_text.remote(CONTEXT + QUESTION, 4, ignore_eos=True)).token_ids
+        recomputed = ray.get(a.actor.generate_text.remote(CONTEXT + QUESTION, 4, ignore_eos=True)).token_ids
+        assert af.generate(kv, QUESTION, 4, ignore_eos=True).token_ids == recomputed
     finally:
         c.shutdown()
     with pytest.raises(af.ClusterError, match="shut down"):
