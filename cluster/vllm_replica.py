@@ -36,6 +36,7 @@ from cluster.payload_refs import PayloadRefs
 from cluster.replica import RefRecord
 from cluster.transfer_endpoint import KVShape
 from cluster.vllm_calibration import VLLMCalibration
+from operators.fork import check_fork_count
 
 VLLM_OPTIONS = ("prefix_caching", "max_model_len", "kv_cache_gib", "block_size", "enforce_eager", "python",
                 "startup_timeout_s")
@@ -134,8 +135,7 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
 
     def fork(self, ref_id: str, n: int) -> list[RefRecord]:
         """n refs sharing the payload (payloads are immutable)."""
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"fork needs n >= 1, got {n!r}")
+        check_fork_count(n)
         payload = self._ref(ref_id)
         return [self._record(payload, self._refs.fidelity(ref_id)) for _ in range(n)]
 

@@ -8,11 +8,6 @@ from operators.host import KVHost
 from operators.ref import KVRef, Lineage
 
 
-def _token_ids(host: KVHost, text_or_ids: str | Sequence[int]) -> list[int]:
-    """Token ids of a text or an id list: `PromptError` when empty or outside the vocabulary."""
-    return host.engine.prompt_ids(text_or_ids)
-
-
 def materialize(host: KVHost, text_or_ids: str | Sequence[int], *, lineage: bool = True,
                 chunk_size: int | None = None) -> KVRef:
     """Prefill a context on `host`'s engine and return its KVRef.
@@ -20,7 +15,7 @@ def materialize(host: KVHost, text_or_ids: str | Sequence[int], *, lineage: bool
     The prefix cache serves any full blocks already computed for the same prefix. With
     `lineage=False` the ref cannot be rebuilt after eviction (eviction is then final).
     """
-    ids = _token_ids(host, text_or_ids)
+    ids = host.engine.prompt_ids(text_or_ids)  # PromptError when empty or outside the vocabulary
     seq = host.engine.new_sequence()
     try:
         host.engine.prefill(seq, ids, chunk_size)
@@ -36,7 +31,7 @@ def extend(kv: KVRef, text_or_ids: str | Sequence[int], *, chunk_size: int | Non
     The result is exact: its KV equals a one-pass prefill of the whole context.
     """
     host = kv.host
-    ids = _token_ids(host, text_or_ids)
+    ids = host.engine.prompt_ids(text_or_ids)  # PromptError when empty or outside the vocabulary
     seq = host.engine.fork(host.sequence(kv))
     try:
         host.engine.prefill(seq, ids, chunk_size)
