@@ -23,6 +23,7 @@ from aaflow.engine.weights import load_weights
 from aaflow.errors import ModelNotFoundError
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+DETERMINISTIC_DEFAULT = True
 
 
 class Engine(PromptText):
@@ -49,6 +50,7 @@ class Engine(PromptText):
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         prefix_caching: bool = True,
         threads: int | None = None,
+        deterministic: bool | None = None,
     ) -> "Engine":
         """Load a registered model (e.g. "smollm2", fetched on first use) or a Hugging Face folder.
 
@@ -59,6 +61,9 @@ class Engine(PromptText):
             num_blocks: pool size in blocks; default: as many as fit in `kv_cache_bytes`.
             prefix_caching: reuse full blocks of earlier prompts with the same prefix.
             threads: torch intra-op threads (process-wide); None leaves torch's setting.
+            deterministic: batch- and chunk-invariant attention: a token's logits do not depend on
+                how its prompt was chunked, packed or batched (`fixed_attention.py`); None: the
+                default, `DETERMINISTIC_DEFAULT`.
         """
         from aaflow.models import resolve_model_path
         from transformers import AutoTokenizer
@@ -78,7 +83,9 @@ class Engine(PromptText):
         if num_blocks is None:
             num_blocks = max(1, kv_cache_bytes // (config.kv_bytes_per_token(dtype_bytes) * block_size))
         layout = KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch_dtype)
-        model = LlamaModel(config, weights, torch_dtype)
+        if deterministic is None:
+            deterministic = DETERMINISTIC_DEFAULT
+        model = LlamaModel(config, weights, torch_dtype, deterministic)
         fingerprint = model_fingerprint(config, torch_dtype, weights_digest(folder))
         return cls(folder, config, torch_dtype, tokenizer, KVRunner(model, layout, fingerprint, prefix_caching))
 

@@ -8,22 +8,38 @@ import torch.nn.functional as F
 from aaflow.engine.attention import AttentionBatch, PackedBatch, paged_attention
 from aaflow.engine.cascade import CascadeBatch, cascade_attention
 from aaflow.engine.config import ModelConfig
+from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.rope import RotaryTable
+from aaflow.engine.linear import Linear
 from aaflow.engine.weights import LayerWeights, ModelWeights
 
 
-Batch = AttentionBatch | PackedBatch | CascadeBatch
+Batch = AttentionBatch | PackedBatch | CascadeBatch | FixedBatch
+
+
+_ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention}  # others: paged_attention
 
 
 class LlamaModel:
-    """Stateless apart from its weights: all KV state lives in the `PagedKVCache` passed in."""
+    """Stateless apart from its weights: all KV state lives in the `PagedKVCache` passed in.
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype) -> None:
+    `deterministic`: a token's logits do not depend on how many tokens share its forward pass or
+    how its prompt was chunked (the runner then builds `FixedBatch`es; see fixed_attention.py).
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype,
+                 deterministic: bool = False) -> None:
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.deterministic = deterministic
         self.rotary = RotaryTable(config, dtype)
+
+    def _linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        if self.deterministic and x.shape[0] == 1:  # oneDNN's one-row kernel rounds unlike the many-row one
+            return linear(x.expand(2, -1).contiguous())[:1]
+        return linear(x)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # HF order: normalize in float32, cast back, then scale
@@ -36,16 +52,16 @@ class LlamaModel:
     ) -> torch.Tensor:  # h: [T, hidden] -> [T, hidden]
         c = self.config
         T = h.shape[0]
-        qkv = w.qkv(self._rms_norm(h, w.input_norm))  # [T, q_size + 2 * kv_size]
+        qkv = self._linear(w.qkv, self._rms_norm(h, w.input_norm))  # [T, q_size + 2 * kv_size]
         qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
         qk = self.rotary.rotate(qk, *cos_sin)  # q and k heads rotated together: [T, H + Hkv, D]
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].reshape(T, c.num_kv_heads, c.head_dim)
-        attend = cascade_attention if isinstance(batch, CascadeBatch) else paged_attention
+        attend = _ATTENTION.get(type(batch), paged_attention)
         attn = attend(index, q, k, v, cache, batch)  # [T, H * D]
-        h = h + w.o(attn)
-        gate, up = w.gate_up(self._rms_norm(h, w.post_norm)).chunk(2, dim=-1)  # [T, I] each
-        return h + w.down(F.silu(gate) * up)
+        h = h + self._linear(w.o, attn)
+        gate, up = self._linear(w.gate_up, self._rms_norm(h, w.post_norm)).chunk(2, dim=-1)  # [T, I] each
+        return h + self._linear(w.down, F.silu(gate) * up)
 
     @torch.inference_mode()
     def run_layers(
@@ -71,4 +87,4 @@ class LlamaModel:
         h = self.run_layers(input_ids, positions, cache, batch, self.config.num_layers)
         if logit_rows is not None:
             h = h[logit_rows]
-        return self.weights.lm_head(self._rms_norm(h, self.weights.final_norm)).float()
+        return self._linear(self.weights.lm_head, self._rms_norm(h, self.weights.final_norm)).float()

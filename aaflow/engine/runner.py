@@ -12,6 +12,7 @@ import torch
 from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
 from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefix_blocks
+from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.kv_io import KVImportExport
@@ -227,16 +228,15 @@ class KVRunner(KVImportExport):
         starts = [len(seq) for seq in seqs]
         for seq, chunk in zip(seqs, chunks):
             self._grow(seq, len(chunk))
-        shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
-        parts, positions = [], []
-        for seq, chunk, start in zip(seqs, chunks, starts):
-            stop = start + len(chunk)
-            context = seq.slots(0, stop, bs)  # [stop]
-            parts.append((context[start:], context[shared:], start - shared))
-            positions.append(torch.arange(start, stop))
-        batch = prefill_parts(parts)
-        if shared:
-            batch = CascadeBatch(seqs[0].slots(0, shared, bs), batch)
+        contexts = [seq.slots(0, start + len(chunk), bs) for seq, chunk, start in zip(seqs, chunks, starts)]
+        positions = [torch.arange(start, start + len(chunk)) for chunk, start in zip(chunks, starts)]
+        if self.model.deterministic:
+            batch = FixedBatch.of(list(zip(contexts, starts)))
+        else:
+            shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
+            batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])
+            if shared:
+                batch = CascadeBatch(seqs[0].slots(0, shared, bs), batch)
         ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long)  # [T]
         rows = None if all_logits else torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
         logits = self.model.forward(ids, torch.cat(positions), self.cache, batch, logit_rows=rows)
@@ -271,10 +271,13 @@ class KVRunner(KVImportExport):
         contexts = [seq.slots(0, len(seq) + 1, bs) for seq in seqs]
         write = torch.stack([c[-1] for c in contexts])
         positions = torch.tensor([len(seq) for seq in seqs])
-        shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
-        batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
-        if shared:
-            batch = CascadeBatch(contexts[0][:shared], batch)
+        if self.model.deterministic:
+            batch = FixedBatch.of([(c, len(seq)) for c, seq in zip(contexts, seqs)])
+        else:
+            shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
+            batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
+            if shared:
+                batch = CascadeBatch(contexts[0][:shared], batch)
         logits = self.model.forward(torch.tensor(token_ids), positions, self.cache, batch)
         for seq, tok in zip(seqs, token_ids):
             seq.token_ids.append(tok)
