@@ -5,8 +5,10 @@ position, never on how its prompt was split into chunks, packed with other seque
 batched in decode. The CPU flash kernel reduces over keys in tiles of 512 and merges the tiles in
 order; a tile wholly masked for a query leaves its running sums unchanged (it adds exact zeros).
 So every call here hands the kernel keys padded to a multiple of that tile, with an explicit mask
-instead of `is_causal` (whose skipping depends on where the chunk starts), and at least
-`MIN_QUERY_ROWS` query rows per kv head (fewer take another path with other rounding). With the
+instead of `is_causal` (whose skipping depends on where the chunk starts), and query rows per kv
+head padded to a multiple of `QUERY_ROW_MULTIPLE`: the kernel splits rows into blocks of 32, 64 or
+256, and a block of 1-3 rows (a short call, or the tail of a long one) takes another path with
+other rounding. With the
 CPU's oneDNN matmuls, whose rows do not depend on how many rows are multiplied together (checked by
 the engine's tests), the whole forward pass is then invariant.
 """
@@ -21,79 +23,86 @@ from aaflow.engine.attention import run_start
 from aaflow.engine.kv_cache import PagedKVCache
 
 KEY_TILE = 512  # the flash kernel's key split for contexts of >= 512 keys
-MIN_QUERY_ROWS = 4  # per kv head and call; 1-3 rows give other bits (measured on AVX512-BF16)
+QUERY_ROW_MULTIPLE = 8  # per kv head and call: every row block then has >= 8 rows (1-3 round otherwise)
 QUERY_TILE = 512  # queries per call in a long chunk: keys beyond the tile's last query are skipped
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
 
 
 @dataclass(frozen=True)
-class FixedPart:
-    """One sequence's new tokens in a forward pass: tokens [offset, offset + n) of the pass sit at
-    positions [start, start + n) of a context whose slots are `context` ([start + n])."""
+class _Call:
+    """One flash call of a pass, the same in every layer: `rows` of the pass's new tokens, B
+    sequences of S queries each, over `length` keys (padded; `mask` hides what a query may not see)."""
 
-    offset: int
-    start: int
-    n: int
-    context: torch.Tensor  # [start + n]
-    run_first: int | None  # the context is one run of slots starting here (read in place), or None
+    rows: torch.Tensor  # [B * S] token rows of the pass, sequence-major
+    batch: int
+    queries: int
+    length: int
+    first: int | None  # one sequence whose keys lie in one run of slots from here: read in place
+    slots: torch.Tensor | None  # [B * length] slots to gather when not read in place (padding: slot 0)
+    mask: torch.Tensor  # [B, 1, R, length] additive: 0 = may attend, -inf = may not
 
 
-@dataclass
 class FixedBatch:
-    """Every sequence's new tokens in one forward pass, attended with `fixed_attention`."""
+    """Every sequence's new tokens in one forward pass, attended with `fixed_attention`. The calls
+    (which keys, which mask) are worked out once, in the first layer, and reused by the others."""
 
-    write_slots: torch.Tensor  # [T] where each new token's K/V goes
-    parts: list[FixedPart]
-
-    @classmethod
-    def of(cls, chunks: list[tuple[torch.Tensor, int]]) -> "FixedBatch":
+    def __init__(self, chunks: list[tuple[torch.Tensor, int]]) -> None:
         """chunks[i] = (context slots [start_i + n_i], start_i) of one sequence's n_i new tokens, in
         token order."""
-        parts, offset = [], 0
-        for context, start in chunks:
+        self.chunks = chunks
+        self.write_slots = torch.cat([c[s:] for c, s in chunks])  # [T] where each new token's K/V goes
+        self._calls: list[_Call] | None = None
+
+    def calls(self, num_slots: int, group: int, dtype: torch.dtype) -> list[_Call]:
+        if self._calls is None:
+            self._calls = list(self._plan(num_slots, group, dtype))
+        return self._calls
+
+    def _plan(self, num_slots: int, group: int, dtype: torch.dtype):
+        offsets = torch.tensor([0] + [c.numel() - s for c, s in self.chunks]).cumsum(0).tolist()
+        singles = [i for i, (c, s) in enumerate(self.chunks) if c.numel() - s == 1]  # decode steps: one call
+        if singles:
+            contexts = [self.chunks[i][0] for i in singles]
+            positions = torch.tensor([[self.chunks[i][1]] for i in singles])  # [B, 1]
+            yield _call(torch.tensor([offsets[i] for i in singles]), contexts, positions, num_slots, group, dtype)
+        for i, (context, start) in enumerate(self.chunks):
             n = context.numel() - start
-            parts.append(FixedPart(offset, start, n, context, run_start(context)))
-            offset += n
-        return cls(torch.cat([c[s:] for c, s in chunks]), parts)
+            for a in range(0, n if n > 1 else 0, QUERY_TILE):
+                b = min(a + QUERY_TILE, n)
+                positions = torch.arange(start + a, start + b)[None]  # [1, S]
+                rows = torch.arange(offsets[i] + a, offsets[i] + b)
+                yield _call(rows, [context[: start + b]], positions, num_slots, group, dtype)
 
 
-def _padded(n: int) -> int:
-    return -(-n // KEY_TILE) * KEY_TILE
+def _call(rows, contexts, positions, num_slots: int, group: int, dtype: torch.dtype) -> _Call:
+    """contexts: each sequence's slots up to its last query; positions: [B, S] of the queries."""
+    B, S = positions.shape
+    length = -(-max(c.numel() for c in contexts) // KEY_TILE) * KEY_TILE
+    first = run_start(contexts[0]) if B == 1 else None
+    slots = None
+    if first is None or first + length > num_slots:
+        first, slots = None, torch.zeros(B, length, dtype=torch.long)  # padding reads slot 0 (masked)
+        for b, context in enumerate(contexts):
+            slots[b, : context.numel()] = context
+        slots = slots.reshape(-1)
+    row_count = -(-group * S // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE
+    row_pos = torch.full((B, row_count), length, dtype=torch.long)  # padding rows see every key
+    row_pos[:, : group * S] = positions.repeat(1, group)  # rows ordered (g, s)
+    allowed = torch.arange(length)[None, None, :] <= row_pos[:, :, None]  # [B, R, length]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))[:, None]
+    return _Call(rows, B, S, length, first, slots, mask)
 
 
-def _read_kv(cache: PagedKVCache, layer: int, contexts: list[torch.Tensor], length: int, first: int | None):
-    """Each context's K/V padded to `length` keys (the padding is masked): ([B, Hkv, length, D]) x 2,
-    read in place when there is one context, lying in one run of slots from `first` inside the pool,
-    else gathered."""
+def _read_kv(cache: PagedKVCache, layer: int, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The call's K and V: [B, Hkv, length, D] each, views of the pool or gathered."""
     k_cache, v_cache = cache.layer(layer)  # [slots, Hkv, D]
-    if len(contexts) == 1 and first is not None and first + length <= k_cache.shape[0]:
-        return (k_cache[first:first + length][None].transpose(1, 2),
-                v_cache[first:first + length][None].transpose(1, 2))
-    slots = torch.zeros(len(contexts), length, dtype=torch.long)  # [B, length]; padding reads slot 0
-    for b, context in enumerate(contexts):
-        slots[b, : context.numel()] = context
-    flat = slots.reshape(-1)
-    shape = (len(contexts), length, k_cache.shape[1], k_cache.shape[2])
-    return (k_cache.index_select(0, flat).view(shape).transpose(1, 2),
-            v_cache.index_select(0, flat).view(shape).transpose(1, 2))
-
-
-def _attend(q: torch.Tensor, positions: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-    """q [B, S, H, D] at positions [B, S] over kh, vh [B, Hkv, L, D] (L a multiple of KEY_TILE):
-    [B, S, H * D]. Query head h reads kv head h // G, folded into rows ordered (g, s)."""
-    B, S, heads, dim = q.shape
-    kv_heads, length = kh.shape[1], kh.shape[2]
-    group = heads // kv_heads
-    rows = max(group * S, MIN_QUERY_ROWS)
-    qg = q.new_zeros(B, kv_heads, rows, dim)  # [B, Hkv, R, D]; rows past G * S are padding
-    qg[:, :, : group * S] = q.view(B, S, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, -1, dim)
-    row_pos = torch.full((B, rows), length, dtype=torch.long)  # padding rows see every key
-    row_pos[:, : group * S] = positions.repeat(1, group)
-    allowed = torch.arange(length)[None, None, :] <= row_pos[:, :, None]  # [B, R, L]
-    mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))[:, None]
-    out = _flash(qg, kh, vh, attn_mask=mask)[0][:, :, : group * S]  # [B, Hkv, G * S, D]
-    return out.reshape(B, kv_heads, group, S, dim).permute(0, 3, 1, 2, 4).reshape(B, S, heads * dim)
+    if call.slots is None:
+        a, b = call.first, call.first + call.length
+        return k_cache[a:b][None].transpose(1, 2), v_cache[a:b][None].transpose(1, 2)
+    shape = (call.batch, call.length, k_cache.shape[1], k_cache.shape[2])
+    return (k_cache.index_select(0, call.slots).view(shape).transpose(1, 2),
+            v_cache.index_select(0, call.slots).view(shape).transpose(1, 2))
 
 
 def fixed_attention(
@@ -104,23 +113,19 @@ def fixed_attention(
     cache: PagedKVCache,
     batch: FixedBatch,
 ) -> torch.Tensor:  # [T, H * D]
-    """Store the new tokens' K/V, then attend each over its context, batch- and chunk-invariantly."""
+    """Store the new tokens' K/V, then attend each over its context, batch- and chunk-invariantly.
+    Query head h reads kv head h // G; a call folds each kv head's G query heads into its rows."""
     cache.write(layer, batch.write_slots, k, v)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    singles = [p for p in batch.parts if p.n == 1]  # decode steps: one batched call
-    if singles:
-        rows = torch.tensor([p.offset for p in singles])
-        length = _padded(max(p.context.numel() for p in singles))
-        kh, vh = _read_kv(cache, layer, [p.context for p in singles], length, singles[0].run_first)
-        positions = torch.tensor([[p.start] for p in singles])  # [B, 1]
-        out[rows] = _attend(q[rows][:, None], positions, kh, vh)[:, 0]
-    for p in batch.parts:
-        if p.n == 1:
-            continue
-        for a in range(0, p.n, QUERY_TILE):
-            b = min(a + QUERY_TILE, p.n)
-            stop = p.start + b  # keys this tile's queries may read
-            kh, vh = _read_kv(cache, layer, [p.context[:stop]], _padded(stop), p.run_first)
-            positions = torch.arange(p.start + a, stop)[None]  # [1, S]
-            out[p.offset + a: p.offset + b] = _attend(q[p.offset + a: p.offset + b][None], positions, kh, vh)[0]
+    T, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    out = q.new_empty(T, heads * dim)
+    for call in batch.calls(cache.layout.num_blocks * cache.layout.block_size, group, q.dtype):
+        B, S = call.batch, call.queries
+        kh, vh = _read_kv(cache, layer, call)
+        qg = q.new_zeros(B, kv_heads, call.mask.shape[2], dim)  # [B, Hkv, R, D]; rows past G * S: padding
+        qg[:, :, : group * S] = q[call.rows].view(B, S, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
+            B, kv_heads, group * S, dim)
+        o = _flash(qg, kh, vh, attn_mask=call.mask)[0][:, :, : group * S]  # [B, Hkv, G * S, D]
+        out[call.rows] = o.reshape(B, kv_heads, group, S, dim).permute(0, 3, 1, 2, 4).reshape(B * S, heads * dim)
     return out

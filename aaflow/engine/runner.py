@@ -231,7 +231,7 @@ class KVRunner(KVImportExport):
         contexts = [seq.slots(0, start + len(chunk), bs) for seq, chunk, start in zip(seqs, chunks, starts)]
         positions = [torch.arange(start, start + len(chunk)) for chunk, start in zip(chunks, starts)]
         if self.model.deterministic:
-            batch = FixedBatch.of(list(zip(contexts, starts)))
+            batch = FixedBatch(list(zip(contexts, starts)))
         else:
             shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
             batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])
@@ -272,7 +272,7 @@ class KVRunner(KVImportExport):
         write = torch.stack([c[-1] for c in contexts])
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
-            batch = FixedBatch.of([(c, len(seq)) for c, seq in zip(contexts, seqs)])
+            batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
         else:
             shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
             batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
