@@ -30,7 +30,7 @@ DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste comput
 def _demo(args) -> int:
     from aaflow.demo import run_demo
 
-    return run_demo(args.workflow, args.replicas, args.dtype, args.rounds, args.doc_tokens)
+    return run_demo(args.workflow, args.replicas, args.dtype, args.rounds, args.doc_tokens, args.deterministic)
 
 
 def _chat(args) -> int:
@@ -58,8 +58,9 @@ def _run(args) -> int:
 
     wf = af.load_workflow(args.workflow)
     engine, engines = parse_engines(args.engine)
+    options = {"deterministic": True} if args.deterministic else {}
     cluster = af.init(replicas={a.model: args.replicas for a in wf.agents()}, dtype=args.dtype,
-                      engine=engine, engines=engines)
+                      engine=engine, engines=engines, **options)
     try:
         res = af.run(wf, cluster, strategy=args.strategy)
     finally:
@@ -216,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=2, help="runs of each strategy, alternating (median reported)")
     demo.add_argument("--doc-tokens", type=int, default=2000,
                       help="the shipped review's paper repeated to about this many tokens (0: once, ~560)")
+    demo.add_argument("--deterministic", action="store_true",
+                      help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
+                           "(built-in engine; decode 15-35%% slower)")
     demo.set_defaults(func=_demo)
 
     chat = sub.add_parser("chat", help="load a model with the built-in engine and answer one chat prompt")
@@ -235,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",
                      help="builtin (default) or vllm, for every model or one: --engine smollm2=vllm (repeatable; "
                           "vLLM needs `bash benchmarks/setup_vllm_env.sh`)")
+    run.add_argument("--deterministic", action="store_true",
+                      help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
+                           "(built-in engine; decode 15-35%% slower)")
     run.set_defaults(func=_run)
 
     plan = sub.add_parser("plan", help="the planner's strategy per edge and predicted times for a workflow YAML")

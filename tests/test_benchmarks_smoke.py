@@ -54,9 +54,10 @@ def _speed(tok_per_s):
 
 REPORTS = {  # the smallest report of each shape the benchmark writes
     "engine_bench": {"dtype": "bfloat16", "threads": {"aaflow": 1},
-                     "aaflow": {"prefill": {"512": _speed(900.0)}, "decode": {"1": _speed(20.0)}},
-                     "transformers": {"prefill": {"512": _speed(700.0)}, "decode": {"1": _speed(13.0)}},
-                     "vllm": {"skipped": "--no-vllm"}},
+                     "aaflow": {"prefill": {"512": _speed(900.0)}, "decode": {"1024x1": _speed(20.0)}},
+                     "aaflow_deterministic": {"prefill": {"512": _speed(850.0)}, "decode": {"1024x1": _speed(18.0)}},
+                     "transformers": {"prefill": {"512": _speed(700.0)}, "decode": {"1024x1": _speed(13.0)}},
+                     "vllm": {"skipped": "--vllm none"}},
     "memory_bench": {"fork": {"pool_bytes": 2**27}, "independent_copies": {"pool_bytes": 2**30},
                      "memory_reduction_x": 8.0},
     "kv_transfer_bench": {"memcpy_bytes_per_s": 6e9, "rows": [
