@@ -10,8 +10,8 @@ from aaflow.engine.cascade import CascadeBatch, cascade_attention
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
 from aaflow.engine.kv_cache import PagedKVCache
-from aaflow.engine.rope import RotaryTable
 from aaflow.engine.linear import Linear
+from aaflow.engine.rope import RotaryTable
 from aaflow.engine.weights import LayerWeights, ModelWeights
 
 
