@@ -124,7 +124,7 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
         chunk_tokens: the executor's streaming chunk size.
         dtype: planning without a cluster, the dtype the replicas would run ("auto": what
             `af.init` picks on this CPU); a live cluster's replicas report their own.
-    Returns a `costmodel.plan.Plan`; `print(plan.explain())` shows why each choice was made.
+    Returns a `aaflow.planning.plans.Plan`; `print(plan.explain())` shows why each choice was made.
     """
     from aaflow.runtime import _builders, _check_sizes
 
@@ -139,7 +139,7 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
                  progress: Callable[[str], None] | None = print, dtype: str = "auto"):
     """`plan` for a workflow already validated against `cluster`, with its prompt builders
     (`af.run` has both when it plans for `strategy="auto"`)."""
-    from costmodel.planner import plan_workflow
+    from aaflow.planning.search import plan_workflow
 
     infos = replica_infos(cluster, dtype)
     profile = resolve_hardware(cluster, infos, hardware, progress)

@@ -1,0 +1,101 @@
+"""The calls the scheduler sends to a replica: frozen values with an enum kind.
+
+A call names a `ModelReplica` method and its arguments; a backend runs it (the Ray backend on a
+replica actor, the simulated clock by predicting its duration). Prompt segments of several
+sessions travel as `PrefillRequest`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+
+class CallKind(Enum):
+    """What a call does; the value is the replica method that does it."""
+
+    OPEN = "session_open"  # (sid, fork_of ref id or None)
+    MATERIALIZE = "materialize"  # (token_ids,): prefill a shared prefix as a KVRef
+    PREFILL = "session_prefill"  # (sid, token_ids, sampling, reuse_prefix)
+    PACK = "session_prefill_many"  # (requests,): several sessions' prompt segments in one pass
+    STEP = "session_step"  # (sids,): one batched decode step
+    MIXED = "session_step_mixed"  # (sids, requests): a decode step and prompt segments in one pass
+    EXPOSE = "expose"  # (ref id, transport): make a ref's blocks readable by another replica
+    RECEIVE = "receive"  # (handle, shape, record, transport): fetch exposed blocks as a new ref
+    RELEASE = "release"  # (handle, transport): end an exposure
+    CLOSE = "session_close"  # (sid,)
+    FREE = "free"  # (ref id,)
+
+    @property
+    def prefills(self) -> bool:
+        """Prefill calls a long prompt may speed up with lent threads."""
+        return self in (CallKind.MATERIALIZE, CallKind.PREFILL, CallKind.PACK)
+
+    @property
+    def computes(self) -> bool:
+        """Calls that run the model (they compete for the machine's cores)."""
+        return self.prefills or self in (CallKind.STEP, CallKind.MIXED)
+
+    @property
+    def steps(self) -> bool:
+        """Calls that advance every decoding session of the replica by one token."""
+        return self in (CallKind.STEP, CallKind.MIXED)
+
+    @property
+    def transfers(self) -> bool:
+        """Calls of a prefix transfer between replicas."""
+        return self in (CallKind.EXPOSE, CallKind.RECEIVE, CallKind.RELEASE)
+
+
+class PrefillRequest(NamedTuple):
+    """One session's prompt segment; `sampling` set when it completes the prompt (the answer then
+    carries the first generated token), `reuse_prefix` lets the prefix cache serve it."""
+
+    sid: str
+    token_ids: list[int]
+    sampling: object = None
+    reuse_prefix: bool = True
+
+
+@dataclass(frozen=True)
+class Call:
+    """One replica call. `threads` > 0: run it on that many threads (idle replicas lend theirs)."""
+
+    kind: CallKind
+    args: tuple = ()
+    threads: int = 0
+
+    @property
+    def method(self) -> str:
+        return self.kind.value
+
+    @property
+    def requests(self) -> list[PrefillRequest]:
+        """The prompt segments a prefill call carries (one for PREFILL, none for MATERIALIZE)."""
+        if self.kind is CallKind.PREFILL:
+            return [PrefillRequest(*self.args)]
+        if self.kind is CallKind.PACK:
+            return list(self.args[0])
+        if self.kind is CallKind.MIXED:
+            return list(self.args[1])
+        return []
+
+    @property
+    def sessions(self) -> list[str]:
+        """The session ids the call works on."""
+        if self.kind in (CallKind.OPEN, CallKind.CLOSE):
+            return [self.args[0]]
+        if self.kind.steps:
+            return list(self.args[0]) + [r.sid for r in self.requests]
+        return [r.sid for r in self.requests]
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens a prefill call computes at most (0 for other calls)."""
+        if self.kind is CallKind.MATERIALIZE:
+            return len(self.args[0])
+        return sum(len(r.token_ids) for r in self.requests)
+
+    def with_threads(self, threads: int) -> "Call":
+        return Call(self.kind, self.args, threads)
