@@ -43,11 +43,13 @@ class AgentState:
     end_s: float = 0.0  # its last token
     prefix_via: str = ""  # how its prefix arrived: "reuse", "transfer" or "recompute"
     upstream: tuple[str, ...] = field(init=False)  # the agents it reads, in prompt order
+    streams: bool = field(init=False)  # prefills upstream tokens while the upstream still decodes
 
     def __post_init__(self) -> None:
         if self.result is None:
             self.result = AgentResult(self.name)
         self.upstream = tuple(dict.fromkeys(s.agent for s in self.segments if isinstance(s, AgentInput)))
+        self.streams = self.strategy in STREAMS
 
     @property
     def prefix_key(self) -> tuple[str, tuple[int, ...]]:
@@ -58,11 +60,6 @@ class AgentState:
     def shares_prefix(self) -> bool:
         """Materializes, forks or transfers its static prefix as a KV object."""
         return self.kv.share_prefix or shares_prefix(self.strategy, len(static_prefix(self.segments)))
-
-    @property
-    def streams(self) -> bool:
-        """Prefills upstream tokens while the upstream still decodes."""
-        return self.strategy in STREAMS
 
     def restart(self) -> None:
         """Forget its progress: it starts over from its prompt tokens (its lineage)."""

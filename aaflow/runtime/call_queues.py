@@ -100,9 +100,8 @@ class CallQueues:
     def _pack(self, name: str, always: bool = False) -> Queued:
         """The queue's first call (a prompt segment) with the others that pack with it; with
         `always`, as a PACK call even when it goes alone."""
-        fresh = {a.sid for a in self.scheduler.placed[name] if a.busy and a.fresh}
         queue = self.queues[name]
-        return pack_prefills(queue.popleft(), queue, fresh, always)
+        return pack_prefills(queue.popleft(), queue, self.scheduler.fresh_sids, always)
 
 
 def _ignore(_value) -> None:

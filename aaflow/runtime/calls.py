@@ -27,25 +27,16 @@ class CallKind(Enum):
     CLOSE = "session_close"  # (sid,)
     FREE = "free"  # (ref id,)
 
-    @property
-    def prefills(self) -> bool:
-        """Prefill calls a long prompt may speed up with lent threads."""
-        return self in (CallKind.MATERIALIZE, CallKind.PREFILL, CallKind.PACK)
-
-    @property
-    def computes(self) -> bool:
-        """Calls that run the model (they compete for the machine's cores)."""
-        return self.prefills or self in (CallKind.STEP, CallKind.MIXED)
-
-    @property
-    def steps(self) -> bool:
-        """Calls that advance every decoding session of the replica by one token."""
-        return self in (CallKind.STEP, CallKind.MIXED)
-
-    @property
-    def transfers(self) -> bool:
-        """Calls of a prefix transfer between replicas."""
-        return self in (CallKind.EXPOSE, CallKind.RECEIVE, CallKind.RELEASE)
+    def __init__(self, method: str) -> None:
+        # Plain attributes, not properties: the scheduler asks them of every call.
+        # prefills: prefill calls, which a long prompt may speed up with lent threads
+        self.prefills = method in ("materialize", "session_prefill", "session_prefill_many")
+        # steps: calls that advance every decoding session of the replica by one token
+        self.steps = method in ("session_step", "session_step_mixed")
+        # computes: calls that run the model (they compete for the machine's cores)
+        self.computes = self.prefills or self.steps
+        # transfers: calls of a prefix transfer between replicas
+        self.transfers = method in ("expose", "receive", "release")
 
 
 class PrefillRequest(NamedTuple):

@@ -27,18 +27,24 @@ def pack_prefills(first: Queued, queue: deque, fresh: set[str], always: bool = F
     request that reuses the prefix cache computes only what an earlier fresh member does not (the
     engine computes a prefix shared inside a pack once), so many agents' prompts on one shared
     system prompt go in one call. A lone call comes back as it was, unless `always`."""
-    taken, rest, leaders, total = [first], deque(), {}, 0
-    _tokens_to_compute(first[0], leaders, fresh)  # it may lead
+    taken, rest, total = [first], deque(), 0
+    leaders: dict[tuple, list[int]] = {}  # first LEADER_KEY_TOKENS ids -> the fresh request leading them
+    _tokens_to_compute(first[0].args, leaders, fresh)  # it may lead
     while queue:
         item = queue.popleft()
-        cost = _tokens_to_compute(item[0], leaders, fresh) if item[0].kind is CallKind.PREFILL else None
-        if cost is not None and total + cost <= PACK_MAX_TOKENS:
+        if item[0].kind is not CallKind.PREFILL:
+            rest.append(item)
+            continue
+        args = item[0].args  # (sid, token_ids, sampling, reuse_prefix)
+        cost = _tokens_to_compute(args, leaders, fresh) if args[3] and args[0] in fresh else len(args[1])
+        if total + cost <= PACK_MAX_TOKENS:
             taken.append(item)
             total += cost
         else:
             rest.append(item)
-            if cost is not None:
-                _forget(item[0], leaders)
+            key = tuple(args[1][:LEADER_KEY_TOKENS]) if leaders else None
+            if key is not None and leaders.get(key) is args[1]:  # left out, it cannot lead
+                del leaders[key]
     queue.extend(rest)
     if len(taken) == 1 and not always:
         return first
@@ -52,24 +58,16 @@ def pack_prefills(first: Queued, queue: deque, fresh: set[str], always: bool = F
     return Call(CallKind.PACK, (requests,)), answer_each
 
 
-def _tokens_to_compute(call: Call, leaders: dict, fresh: set[str]) -> int:
-    """The request's tokens minus what it shares with the first fresh request of the pack that
-    starts like it (`leaders`, updated here)."""
-    sid, ids, _, reuse = call.args
+def _tokens_to_compute(args: tuple, leaders: dict, fresh: set[str]) -> int:
+    """The request's tokens (`args` of a PREFILL call) minus what it shares with the first fresh
+    request of the pack that starts like it (`leaders`, updated here)."""
+    sid, ids, _, reuse = args
     if not (reuse and sid in fresh):
         return len(ids)
     leader = leaders.setdefault(tuple(ids[:LEADER_KEY_TOKENS]), ids)
     if leader is ids:
         return len(ids)
     return len(ids) - common_prefix_len(ids, leader)
-
-
-def _forget(call: Call, leaders: dict) -> None:
-    """A request left out of the pack cannot lead it."""
-    ids = call.args[1]
-    key = tuple(ids[:LEADER_KEY_TOKENS])
-    if leaders.get(key) is ids:
-        del leaders[key]
 
 
 def common_prefix_len(a, b) -> int:

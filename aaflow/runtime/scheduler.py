@@ -48,6 +48,7 @@ class Scheduler:
         self.load = {r.name: 0 for r in self.replicas}  # unfinished agents placed on each replica
         self.decoding: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}  # in placement order
         self.placements = 0
+        self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
         self.queues = CallQueues(self, backend, lend_cores)
         self.prefixes = PrefixSharing(self, transport or "ray")
         self.recovery = Recovery(self)
@@ -101,11 +102,12 @@ class Scheduler:
                 self.prefixes.evict_if_forked(agent.prefix_key)
         self.advance(agent)
 
-    def feedable(self, agent: AgentState) -> tuple[list[int], bool, int]:
-        """Tokens that may be prefilled now (position-stable), whether that completes the prompt,
-        and how many of them come from upstream agents still decoding."""
-        ids: list[int] = []
-        streamed = 0
+    def feedable(self, agent: AgentState) -> tuple[list[tuple], int, bool, int]:
+        """What may be prefilled now (position-stable): (token list, start) pieces and their
+        length, whether that completes the prompt, and how many of them come from upstream agents
+        still decoding."""
+        pieces: list[tuple] = []
+        count = streamed = 0
         if agent.unordered and agent.offset == 0:
             finished = sorted((a.result.last_token_s, n) for n, a in self.agents.items() if a.state == "done")
             agent.segments = reorder_by_completion(agent.segments, agent.seg, [n for _, n in finished])
@@ -113,17 +115,19 @@ class Scheduler:
             seg = agent.segments[i]
             start = agent.offset if i == agent.seg else 0
             if not isinstance(seg, AgentInput):
-                ids.extend(seg[start:])
+                pieces.append((seg, start))
+                count += len(seg) - start
                 continue
             producer = self.agents[seg.agent]
             if agent.unordered and producer.state != "done" and start == 0 and any(
                     isinstance(s, AgentInput) for s in agent.segments[i + 1:]):
-                return ids, False, streamed  # another input may finish first and take this slot
-            ids.extend(producer.output[start:])
+                return pieces, count, False, streamed  # another input may finish first and take this slot
+            pieces.append((producer.output, start))
+            count += len(producer.output) - start
             if producer.state != "done":
                 streamed += len(producer.output) - start
-                return ids, False, streamed
-        return ids, True, streamed
+                return pieces, count, False, streamed
+        return pieces, count, True, streamed
 
     def consume(self, agent: AgentState, count: int) -> None:
         """Move the feed position `count` tokens forward."""
@@ -149,10 +153,15 @@ class Scheduler:
             return
         if not agent.streams and not self.inputs_done(agent):
             return
-        ids, complete, streamed = self.feedable(agent)
-        if not complete and (not ids or (agent.fed > 0 and len(ids) < self.chunk_tokens)):
+        pieces, count, complete, streamed = self.feedable(agent)
+        if not complete and (not count or (agent.fed > 0 and count < self.chunk_tokens)):
             return  # wait for a full chunk (the static part goes at once)
+        ids: list[int] = []
+        for tokens, start in pieces:
+            ids.extend(tokens[start:])
         agent.busy, agent.fresh = True, agent.fed == 0
+        if agent.fresh:
+            self.fresh_sids.add(agent.sid)
         self.consume(agent, len(ids))
         agent.result.streamed_tokens += streamed
         agent.result.prompt_tokens += len(ids)
@@ -161,6 +170,7 @@ class Scheduler:
 
     def prefilled(self, agent: AgentState, out: dict) -> None:
         agent.busy = False
+        self.fresh_sids.discard(agent.sid)
         agent.result.prefill_computed += out["computed"]
         agent.result.prefill_reused += out["reused"]
         if agent.fresh:

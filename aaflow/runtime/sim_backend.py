@@ -38,6 +38,7 @@ class SimBackend(Backend):
         self.values: dict[Ticket, object] = {}
         self.busy_s = {name: 0.0 for name in self.sims}
         self.bytes_moved = self.peak_kv_bytes = 0
+        self.computing = 0  # calls in flight that run the model
         self.kv_bytes = {name: 0 for name in self.sims}
         self._seq = itertools.count()
         self._token_ids = itertools.count(1 << 40)  # decoded ids: never a prompt's (synthetic prompts count from 0)
@@ -53,8 +54,10 @@ class SimBackend(Backend):
         seconds, value, apply = self._outcome(self.sims[replica], call)
         if call.threads > 1:  # the profile's speedup is with every other replica's thread lent
             seconds /= 1 + (self.lent_speedup - 1) * (call.threads - 1) / max(1, len(self.infos) - 1)
-        if call.kind.computes and any(t.call.kind.computes for t in self.pending):
-            seconds *= self.slowdown  # another replica of this machine computes at the same time
+        if call.kind.computes:
+            if self.computing:
+                seconds *= self.slowdown  # another replica of this machine computes at the same time
+            self.computing += 1
         self.busy_s[replica] += seconds
         ticket = Ticket(next(self._seq), replica, call)
         heapq.heappush(self.heap, (self.clock + seconds, ticket.seq, ticket))
@@ -101,9 +104,10 @@ class SimBackend(Backend):
             heapq.heappush(self.heap, (end, ticket.seq, ticket))
         if not ended:
             return []
-        self.clock = max(self.clock, max(end for end, _ in ended))
+        self.clock = max(self.clock, ended[-1][0])  # popped in order of their ends
         done = [t for _, t in ended] if num_returns == 1 else sorted((t for _, t in ended), key=lambda t: t.seq)
         for ticket in done:
+            self.computing -= ticket.call.kind.computes
             value, apply = self.pending.pop(ticket)
             if apply is not None:
                 apply()

@@ -11,7 +11,6 @@ mean context)`; exposing a prefix `link.source_copy_time` on the source, receivi
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -49,20 +48,23 @@ class _Ledger:
     def __init__(self) -> None:
         self.own = 0
         self.shared: dict[object, dict[int, int]] = {}  # key -> {tokens held: holders}
-        self.longest = 0  # sum over keys of the most tokens held
+        self.longest: dict[object, int] = {}  # key -> the most tokens held
+        self.total_longest = 0
 
     def share(self, key, tokens: int, holders: int = 1) -> None:
         counts = self.shared.setdefault(key, {})
-        before = max(counts, default=0)
         counts[tokens] = counts.get(tokens, 0) + holders
-        if not counts[tokens]:
+        before = self.longest.get(key, 0)
+        if counts[tokens] and tokens > before:
+            self.longest[key] = tokens
+        elif not counts[tokens]:
             del counts[tokens]
-        self.longest += max(counts, default=0) - before
-        if not counts:
-            del self.shared[key]
+            if tokens == before:
+                self.longest[key] = max(counts, default=0)
+        self.total_longest += self.longest.get(key, 0) - before
 
     def tokens(self) -> int:
-        return self.own + self.longest
+        return self.own + self.total_longest
 
 
 class _Node:
@@ -71,22 +73,22 @@ class _Node:
     __slots__ = ("children",)
 
     def __init__(self) -> None:
-        self.children: dict[bytes, _Edge] = {}
+        self.children: dict[tuple, _Edge] = {}
 
 
 class _Edge:
-    """A run of whole blocks (ids as bytes) cached by call number `call`, leading to `child`."""
+    """A run of whole blocks (their token ids) cached by call number `call`, leading to `child`."""
 
     __slots__ = ("label", "call", "child")
 
-    def __init__(self, label: bytes, call: int, child: _Node | None = None) -> None:
+    def __init__(self, label: list[int], call: int, child: _Node | None = None) -> None:
         self.label, self.call, self.child = label, call, child or _Node()
 
-    def split(self, at: int, width: int) -> None:
-        """Cut the run after `at` bytes (a whole number of blocks > 0)."""
+    def split(self, at: int, block: int) -> None:
+        """Cut the run after `at` tokens (a whole number of blocks > 0)."""
         rest = _Edge(self.label[at:], self.call, self.child)
         self.label, self.child = self.label[:at], _Node()
-        self.child.children[rest.label[:width]] = rest
+        self.child.children[tuple(rest.label[:block])] = rest
 
 
 class SimReplica:
@@ -107,26 +109,26 @@ class SimReplica:
         """Look `ids` up in the prefix cache and add its whole blocks: the tokens of its leading
         blocks that were cached, and whether the last of those it can reuse was added by the same
         call `call` (a packed call computes it in an earlier forward pass)."""
-        b, width = self.block, 8 * self.block
-        raw = array("q", ids[:len(ids) // b * b]).tobytes()  # ids as bytes: blocks compare in C
-        node, pos, matched = self.cache, 0, []  # matched: (end in bytes, stamp) per edge followed
-        while pos < len(raw):
-            edge = node.children.get(raw[pos:pos + width])
+        b = self.block
+        full = len(ids) // b * b
+        node, pos, matched = self.cache, 0, []  # matched: (end, stamp) per edge followed
+        while pos < full:
+            key = tuple(ids[pos:pos + b])
+            edge = node.children.get(key)
             if edge is None:
-                node.children[raw[pos:pos + width]] = _Edge(raw[pos:], call)
+                node.children[key] = _Edge(ids[pos:full], call)
                 break
             label = edge.label
-            same = common_prefix_len(label, raw[pos:pos + len(label)]) // width * width
+            same = common_prefix_len(label, ids[pos:pos + len(label)]) // b * b
             matched.append((pos + same, edge.call))
             pos += same
-            if same < len(label) and pos < len(raw):  # diverges inside the edge: split it there
-                edge.split(same, width)
-                edge.child.children[raw[pos:pos + width]] = _Edge(raw[pos:], call)
+            if same < len(label) and pos < full:  # diverges inside the edge: split it there
+                edge.split(same, b)
+                edge.child.children[tuple(ids[pos:pos + b])] = _Edge(ids[pos:full], call)
                 break
             node = edge.child
-        common = pos // 8
-        hit = min(common, (len(ids) - 1) // b * b)
-        return common, hit > 0 and next(stamp for end, stamp in matched if end >= hit * 8) == call
+        hit = min(pos, (len(ids) - 1) // b * b)
+        return pos, hit > 0 and next(stamp for end, stamp in matched if end >= hit) == call
 
     def _prefill(self, sid: str | None, ids: list[int], reuse: bool, call: int) -> tuple[float, int, object, bool]:
         """Cost of prefilling `ids` into session `sid` (None: a new ref) in call number `call`:
