@@ -16,6 +16,7 @@ from aaflow.runtime.calls import Call, CallKind
 # Tokens a pack may add to compute beyond its first request's: calls stay short, so decode steps interleave.
 PACK_MAX_TOKENS = 1024
 LEADER_KEY_TOKENS = 64  # fresh requests are compared with the first one starting with the same tokens
+COMPARE_RUN = 512  # ids compared at a time when looking for where two requests differ
 
 Queued = tuple[Call, Callable | None]  # a queued call and what to do with its value
 
@@ -71,11 +72,15 @@ def _tokens_to_compute(args: tuple, leaders: dict, fresh: set[str]) -> int:
 
 
 def common_prefix_len(a, b) -> int:
-    """Length of the longest common prefix of two id sequences (slices compare in C; bisected)."""
+    """Length of the longest common prefix of two id sequences (slices compare in C: runs of
+    COMPARE_RUN ids, then bisection inside the first run that differs)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    lo, hi = 0, min(n, COMPARE_RUN)
+    while lo < n and a[lo:hi] == b[lo:hi]:
+        lo, hi = hi, min(n, hi + COMPARE_RUN)
+    if lo >= n:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    # now a[:lo] == b[:lo] and a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:

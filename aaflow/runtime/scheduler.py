@@ -49,6 +49,8 @@ class Scheduler:
         self.decoding: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}  # in placement order
         self.placements = 0
         self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
+        self.readers = {a.name: [agents[c] for c in a.consumers] for a in agents.values()}
+        self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
         self.queues = CallQueues(self, backend, lend_cores)
         self.prefixes = PrefixSharing(self, transport or "ray")
         self.recovery = Recovery(self)
@@ -196,17 +198,16 @@ class Scheduler:
         is_eos = not agent.ignore_eos and token in self.eos[agent.model]
         if not is_eos:
             agent.output.append(token)
-        if is_eos or r.decoded >= agent.max_tokens:
-            agent.state, agent.end_s = "done", t
-            self.unfinished -= 1
-            self.load[agent.replica] -= 1
-            self.decoding[agent.replica].remove(agent)
-            self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
-        finished = agent.state == "done"
-        for name in agent.consumers:
-            consumer = self.agents[name]
-            if not finished and not consumer.streams:
-                continue  # it waits for every input to be done
+        if not is_eos and r.decoded < agent.max_tokens:
+            for consumer in self.streaming_readers[agent.name]:  # the others wait for it to finish
+                self.advance(consumer)
+            return
+        agent.state, agent.end_s = "done", t
+        self.unfinished -= 1
+        self.load[agent.replica] -= 1
+        self.decoding[agent.replica].remove(agent)
+        self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+        for consumer in self.readers[agent.name]:
             if consumer.state == "new" and self.inputs_done(consumer):
                 self.open(consumer)
             else:
