@@ -28,6 +28,7 @@ class AgentState:
     unordered: bool = False  # reads its inputs in completion order
     kv: KVDirective = KVDirective()
     evicts_prefix: bool = False  # its prefix holds a context an evict node names
+    prefix_parts: tuple[int, ...] = ()  # with an approximate compose: the lengths of the contexts composed
     result: AgentResult = None
     replica: str | None = None
     sid: str = ""
@@ -52,9 +53,11 @@ class AgentState:
         self.streams = self.strategy in STREAMS
 
     @property
-    def prefix_key(self) -> tuple[str, tuple[int, ...]]:
-        """(model, static prefix ids): the KV of a prefix is shared only between replicas of one model."""
-        return self.model, static_prefix(self.segments)
+    def prefix_key(self) -> tuple:
+        """(model, static prefix ids, how it is composed): the KV of a prefix is shared only between
+        replicas of one model, and composed KV only with agents that ask for the same compose."""
+        compose = (*self.kv.compose, self.prefix_parts) if self.kv.compose else None
+        return self.model, static_prefix(self.segments), compose
 
     @property
     def shares_prefix(self) -> bool:

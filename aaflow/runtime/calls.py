@@ -17,6 +17,7 @@ class CallKind(Enum):
 
     OPEN = "session_open"  # (sid, fork_of ref id or None)
     MATERIALIZE = "materialize"  # (token_ids,): prefill a shared prefix as a KVRef
+    COMPOSE = "compose"  # (ref ids, mode, r): one KVRef for the refs' contexts in order
     PREFILL = "session_prefill"  # (sid, token_ids, sampling, reuse_prefix)
     PACK = "session_prefill_many"  # (requests,): several sessions' prompt segments in one pass
     STEP = "session_step"  # (sids,): one batched decode step
@@ -34,7 +35,7 @@ class CallKind(Enum):
         # steps: calls that advance every decoding session of the replica by one token
         self.steps = method in ("session_step", "session_step_mixed")
         # computes: calls that run the model (they compete for the machine's cores)
-        self.computes = self.prefills or self.steps
+        self.computes = self.prefills or self.steps or method == "compose"
         # transfers: calls of a prefix transfer between replicas
         self.transfers = method in ("expose", "receive", "release")
 

@@ -32,11 +32,22 @@ def workflow_agents(workflow, builders: dict, strategy: str,
             chosen = "transfer" if chosen == "recompute" else "transfer+stream"
         sampling = SamplingParams(max_new_tokens=node.max_tokens, temperature=node.temperature, top_p=node.top_p,
                                   seed=node.seed, ignore_eos=node.ignore_eos)
+        segments = builders[node.model].segments(workflow, node)
         agents[node.name] = AgentState(
-            node.name, node.model, chosen, builders[node.model].segments(workflow, node), readers[node.name],
-            node.max_tokens, sampling, node.ignore_eos, node.unordered, kv,
-            evicts_prefix=bool(evicted & _leading_contexts(workflow, node)))
+            node.name, node.model, chosen, segments, readers[node.name], node.max_tokens, sampling, node.ignore_eos,
+            node.unordered, kv, evicts_prefix=bool(evicted & _leading_contexts(workflow, node)),
+            prefix_parts=_composed_parts(workflow, node, builders[node.model], segments) if kv.compose else ())
     return agents
+
+
+def _composed_parts(workflow, node: AgentNode, builder, segments) -> tuple[int, ...]:
+    """The lengths of the contexts an approximate compose node composes: those at the start of the prompt."""
+    lengths = builder.prefix_part_lengths(workflow, node)
+    if len(lengths) < 2:
+        raise WorkflowError(f"agent {node.name!r}: a compose node with mode rerotate or blend needs two or more "
+                            "contexts at the start of the prompt (they are composed into its prefix)")
+    assert sum(lengths) == len(segments[0]), "the composed contexts must make up the static prefix"
+    return tuple(lengths)
 
 
 def execute(workflow, agents: dict[str, AgentState], backend, builders: dict, eos: dict[str, set[int]],

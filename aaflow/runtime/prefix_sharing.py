@@ -1,7 +1,9 @@
 """Prefix sharing: a static prefix (chat header + leading contexts) is materialized once per
 workflow, forked by every agent on the same replica and transferred to other replicas that need
 it; an evict node frees it early. A failed transfer falls back to recomputing the prefix where it
-was going."""
+was going. A prefix that a compose node asks to compose approximately is made of its contexts,
+each materialized alone (so the prefix cache serves it wherever it was computed before), composed
+on the replica (`operators.compose`); the agents forking it carry the compose's FidelityReport."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class PrefixSharing:
         self.transferring: dict[tuple, tuple | None] = {}  # prefix + (dest,) -> (source, handle, transport)
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
+        self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""
@@ -38,6 +41,7 @@ class PrefixSharing:
         rname = agent.replica
         if rname in holders:
             agent.prefix_via = agent.prefix_via or "reuse"
+            agent.result.fidelity = self.fidelity.get(prefix)
             self.queues.call(rname, CallKind.OPEN, agent.sid, holders[rname],
                              then=lambda _: self.scheduler.opened(agent, prefix_len=len(prefix[1])))
             return
@@ -53,8 +57,32 @@ class PrefixSharing:
             self._materialize(prefix, rname)
 
     def _materialize(self, prefix: Prefix, rname: str) -> None:
-        self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1]),
-                         then=lambda rec: self._materialized(prefix, rname, rec))
+        """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
+        if prefix[2] is None:
+            self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1]),
+                             then=lambda rec: self._materialized(prefix, rname, rec))
+            return
+        mode, r, lengths = prefix[2]
+        parts: list = [None] * len(lengths)
+
+        def made(i: int, record) -> None:
+            parts[i] = record
+            if all(p is not None for p in parts):
+                self.queues.call(rname, CallKind.COMPOSE, [p.id for p in parts], mode, r, then=composed)
+
+        def composed(record) -> None:
+            for part in parts:
+                self.queues.call(rname, CallKind.FREE, part.id)
+            self.fidelity[prefix] = record.fidelity
+            recomputed = record.fidelity.recomputed_tokens if record.fidelity is not None else 0
+            self.computed += sum(p.computed for p in parts) + recomputed
+            self._ready(prefix, rname, record.id, 0, received=False)
+
+        start = 0
+        for i, n in enumerate(lengths):
+            self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1][start:start + n]),
+                             then=lambda rec, i=i: made(i, rec))
+            start += n
 
     def _transfer(self, prefix: Prefix, source: str, dest: str, ref_id: str) -> None:
         key = prefix + (dest,)

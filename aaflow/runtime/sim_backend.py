@@ -81,6 +81,8 @@ class SimBackend(Backend):
             # one forward pass: one call overhead, one fixed prefill term
             seconds = step_s + pack_s - sim.overhead - sim.compute.prefill_fixed_s
             return seconds, (tokens, answers), lambda: (stepped(), filled())
+        if kind is CallKind.COMPOSE:
+            return sim.compose(*args, f"{sim.name}/ref{next(self._ref_ids)}")
         if kind is CallKind.EXPOSE:
             return sim.expose(args[0], self.link, self.memcpy_bytes_per_s)
         if kind is CallKind.RECEIVE:

@@ -21,10 +21,11 @@ Outcome = tuple[float, object, Callable[[], None] | None]  # seconds, value, sta
 
 
 class SimRecord(NamedTuple):
-    """What `materialize` / `receive` answer: the new ref's id and the tokens computed."""
+    """What `materialize` / `receive` / `compose` answer: the new ref's id and the tokens computed."""
 
     id: str
     computed: int = 0
+    fidelity: object = None
 
 
 class SimShape(NamedTuple):
@@ -159,6 +160,14 @@ class SimReplica:
         self.calls += 1
         seconds, hit, key, _ = self._prefill(None, ids, True, self.calls)
         return seconds, SimRecord(ref_id, len(ids) - hit), lambda: self._add_ref(ref_id, ids, key)
+
+    def compose(self, ref_ids: list[str], mode: str, r: float, ref_id: str) -> Outcome:
+        """The parts' tokens as one ref; blend recomputes `r` of the tokens after the first part."""
+        parts = [self.refs[i][0] for i in ref_ids]
+        ids = [t for part in parts for t in part]
+        recomputed = int(r * (len(ids) - len(parts[0]))) if mode == "blend" else 0
+        seconds = self.overhead + self.compute.prefill_time(recomputed, len(ids) - recomputed)
+        return seconds, SimRecord(ref_id, recomputed), lambda: self._add_ref(ref_id, ids, ref_id)
 
     def _add_ref(self, ref_id: str, ids: list[int], key) -> None:
         self.refs[ref_id] = (ids, key if len(ids) >= self.block else ref_id)
