@@ -11,8 +11,9 @@ import time
 
 import ray
 
-from aaflow.runtime.backend import Backend, ReplicaInfo, ReplicaLostError, Ticket
+from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.calls import Call
+from cluster.replica_calls import call_result
 
 
 class RayBackend(Backend):
@@ -51,8 +52,4 @@ class RayBackend(Backend):
         return [by_ref[ref] for ref in ready]
 
     def result(self, ticket: Ticket):
-        ref = self.refs.pop(ticket)
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            raise ReplicaLostError(f"replica {ticket.replica} died: {exc}") from exc
+        return call_result(self.refs.pop(ticket), ticket.replica)
