@@ -46,9 +46,7 @@ def replica_infos(cluster, dtype: str = "auto") -> dict[str, dict]:
         threads = max(1, (os.cpu_count() or 1) // sum(cluster.values()))
         return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": resolve_dtype(dtype),
                     "threads": threads} for m in cluster}
-    import ray
-
-    infos = {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
+    infos = {m: cluster.info[cluster.replicas(m)[0].name] for m in cluster.models}  # read when the replicas started
     running = {i["dtype"] for i in infos.values()}
     if dtype != "auto" and running != {resolve_dtype(dtype)}:
         from aaflow.errors import CostModelError
