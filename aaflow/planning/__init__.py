@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
+from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 from costmodel.hardware import HardwareProfile, load_hardware
 from costmodel.model_profile import ModelProfile
 from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
@@ -144,5 +145,7 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
     link = link or transport or ("ray" if "ray" in profile.links else next(iter(profile.links), "ray"))
     profile = with_emulated_link(profile, link)
     spec = workflow_spec(workflow, builders)
-    cspec = ClusterSpec(replica_names(cluster), link=link, chunk_tokens=chunk_tokens)
+    blocks = {i["block_size"] for i in infos.values() if i.get("block_size")}
+    cspec = ClusterSpec(replica_names(cluster), link=link, chunk_tokens=chunk_tokens,
+                        block_tokens=min(blocks, default=DEFAULT_BLOCK_TOKENS))
     return plan_workflow(spec, cspec, profile, model_profiles(infos), call_overhead_s=profile.call_overhead_s or 0.002)

@@ -79,7 +79,7 @@ def simulate(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwareProfile
                                  f"profiles given: {sorted(models)}")
     used = set(spec.models())
     backend = SimBackend([(name, model) for name, model in cluster.replicas if model in used], hardware, models,
-                         cluster.link, call_overhead_s)
+                         cluster.link, call_overhead_s, cluster.block_tokens)
     agents = spec_agents(spec, strategies)
     collecting = gc.isenabled()
     gc.disable()  # a run allocates many small objects and little cyclic garbage: collecting it costs a third
