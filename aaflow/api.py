@@ -75,7 +75,17 @@ evict = _dispatch("evict")
 free = _dispatch("free")
 pin = _dispatch("pin")
 unpin = _dispatch("unpin")
-generate = _dispatch("generate")
+
+
+def generate(kv, *args, **kwargs):
+    """Continue kv's context with a prompt and generate (see `aaflow.continuation.generate`)."""
+    if _is_remote(kv):
+        from cluster import remote
+
+        return remote.generate(kv, *args, **kwargs)
+    from aaflow import continuation
+
+    return continuation.generate(kv, *args, **kwargs)
 
 
 def compose(*kvs, **kwargs):

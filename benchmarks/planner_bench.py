@@ -56,7 +56,7 @@ class Predictor:
 
     def __call__(self, profile, spec, strategy: str, link: str) -> float:
         from aaflow.planning import with_emulated_link
-        from costmodel.simulate import simulate
+        from aaflow.planning.simulate import simulate
         from costmodel.workflow_spec import ClusterSpec
 
         profile = with_emulated_link(profile, link)

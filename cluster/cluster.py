@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aaflow.errors import AAFlowError
+from cluster.replica_api import REPLICAS, replica_class
 
 
 class ClusterError(AAFlowError, RuntimeError):
@@ -26,7 +27,7 @@ class ReplicaHandle:
         return f"ReplicaHandle({self.name!r}, model={self.model!r}, engine={self.engine!r})"
 
 
-ENGINES = ("builtin", "vllm")
+ENGINES = tuple(REPLICAS)
 
 
 def engine_per_model(replicas: dict[str, int], engine: str = "builtin", engines: dict[str, str] | None = None) -> dict[str, str]:
@@ -69,7 +70,6 @@ class Cluster:
 
         from aaflow.engine.dtypes import resolve_dtype
         from cluster.actors import start_ray
-        from cluster.replica import ModelReplica
 
         if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas.values()):
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
@@ -90,11 +90,7 @@ class Cluster:
                 "check `ray status` for free CPUs and that every node joined"
             )
         threads = max(1, int((num_cpus or os.cpu_count() or 1) // total))
-        actor_cls = {"builtin": ray.remote(ModelReplica)}
-        if "vllm" in kinds.values():
-            from cluster.vllm_replica import VLLMReplica
-
-            actor_cls["vllm"] = ray.remote(VLLMReplica)
+        actor_cls = {kind: ray.remote(replica_class(kind)) for kind in set(kinds.values())}
         self._replicas: list[ReplicaHandle] = []
         self._closed = False
         index = 0

@@ -8,9 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from aaflow.errors import AAFlowError, KVLocationError, KVTransferError, ModelMismatchError
+from aaflow.errors import KVLocationError, KVTransferError, ModelMismatchError
+from aaflow.runtime.backend import ReplicaLostError
 from cluster.cluster import Cluster, ClusterError, ReplicaHandle
 from cluster.replica import RefRecord
+from cluster.replica_calls import call_result
 
 PREFERRED_TRANSPORTS = ("nixl", "ray", "ucx")  # fastest measured here first (see docs/RESULTS.md)
 
@@ -51,27 +53,17 @@ class RemoteKVRef:
 
 
 def _call(replica: ReplicaHandle, method: str, *args, **kwargs):
-    """Call `method` on a replica actor and wait for the result.
-
-    An aaflow error (or a `ValueError` about an argument) raised in the replica comes back as
-    itself, not wrapped in Ray's `RayTaskError`; a dead replica, or a cluster already shut down,
-    raises `ClusterError`."""
+    """Call `method` on a replica actor and wait for the result (errors as `call_result` maps
+    them); a dead replica, or a cluster already shut down, raises `ClusterError`."""
     import ray
 
     if not ray.is_initialized():
         raise ClusterError(f"replica {replica.name} is gone: Ray is not running (was the cluster shut down?); "
                            "start one with af.init and materialize the context again")
     try:
-        return ray.get(getattr(replica.actor, method).remote(*args, **kwargs))
-    except ray.exceptions.RayTaskError as err:
-        if isinstance(err.cause, AAFlowError):
-            raise err.cause from None
-        if isinstance(err.cause, ValueError):
-            raise err.cause from err
-        raise
-    except ray.exceptions.RayActorError as err:
-        raise ClusterError(f"replica {replica.name} died or was stopped: the KV it held is lost; "
-                           "materialize the context again on a live replica") from err
+        return call_result(getattr(replica.actor, method).remote(*args, **kwargs), replica.name)
+    except ReplicaLostError as err:
+        raise ClusterError(f"{err}; materialize the context again on a live replica") from err
 
 
 def best_transport() -> str:

@@ -14,6 +14,7 @@ import torch
 
 from cluster.calibration import Calibration
 from cluster.faults import FaultInjection
+from cluster.replica_api import Replica
 from cluster.sessions import SequenceSessions
 from cluster.transfer_endpoint import TransferEndpoint
 from operators import EvictionPolicy, FidelityReport, KVHost, KVRef
@@ -46,7 +47,7 @@ class RefRecord:
         return self.fidelity is None
 
 
-class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoint):
+class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoint, Replica):
     """An engine and its KVRefs, addressed by ref id. Not thread-safe: an actor serializes calls."""
 
     def __init__(self, name: str, model: str, dtype: str = "auto", threads: int | None = None,
@@ -60,6 +61,7 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
         self.engine = Engine.from_pretrained(model, dtype=dtype, threads=threads, **engine_kwargs)
         self.host = KVHost(self.engine, name=name, policy=EvictionPolicy(budget_bytes=budget_bytes))
         self._refs: dict[str, KVRef] = {}
+        SequenceSessions.__init__(self)
         TransferEndpoint.__init__(self)
 
     # --- identity -------------------------------------------------------------------------
@@ -68,6 +70,7 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
                 "pid": os.getpid(), "node": _node_id(), "bytes_per_token": self.host.spec.bytes_per_token,
                 "dtype": str(self.engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
                 "vocab_size": self.engine.config.vocab_size, "model_path": str(self.engine.model_path),
+                "block_size": self.engine.kv_layout.block_size,
                 "max_tokens": min(self.engine.config.max_position_embeddings,
                                   self.engine.kv_layout.num_blocks * self.engine.kv_layout.block_size // 4)}
 
@@ -75,12 +78,6 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
         s = self.engine.stats()
         return {"used_blocks": s.used, "free_blocks": s.free, "cached_blocks": s.cached,
                 "tokens_computed": s.tokens_computed, "tokens_reused": s.tokens_reused, "refs": len(self._refs)}
-
-    def memcpy_bandwidth(self) -> float:
-        """In-process copy bandwidth (bytes/s) in this replica: the bound for any transfer into it."""
-        from costmodel.microbench import memcpy_bandwidth
-
-        return memcpy_bandwidth()
 
     def clear_prefix_cache(self) -> None:
         self.engine.clear_prefix_cache()
@@ -105,13 +102,9 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
         return self._record(ref, self.engine.stats().tokens_computed - before)
 
     def generate(self, ref_id: str, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, **sampling):
-        from operators import generate
+        from aaflow.continuation import generate
 
         return generate(self._ref(ref_id), text_or_ids, max_new_tokens, **sampling)
-
-    def generate_text(self, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, **sampling):
-        """Plain generation from text (the recompute baseline)."""
-        return self.engine.generate(text_or_ids, max_new_tokens=max_new_tokens, **sampling)
 
     def fork(self, ref_id: str, n: int) -> list[RefRecord]:
         from operators import fork

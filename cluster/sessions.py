@@ -1,6 +1,6 @@
-"""Step-level generation on a replica, driven by the executor one call at a time.
+"""Step-level generation on a replica, driven by the scheduler one call at a time.
 
-The executor (in the driver) owns the schedule: it prefills prompt segments as they become
+The scheduler (in the driver) owns the schedule: it prefills prompt segments as they become
 known (streaming incremental prefill), then advances every running sequence of a replica by
 one batched decode step per call. Each call is short, so a replica actor interleaves the work
 of many agents, and tokens leave a replica as soon as they are decoded.
@@ -24,9 +24,10 @@ class _Session:
 class SequenceSessions:
     """Mixin for `ModelReplica`: sessions addressed by a string id. Needs `self.engine`, `self._ref`."""
 
+    def __init__(self) -> None:
+        self._session_table: dict[str, _Session] = {}
+
     def _sessions(self) -> dict[str, _Session]:
-        if not hasattr(self, "_session_table"):
-            self._session_table: dict[str, _Session] = {}
         return self._session_table
 
     def session_open(self, sid: str, fork_of: str | None = None) -> int:

@@ -34,6 +34,7 @@ from aaflow.errors import KVComposeError, KVImportError, KVTransferError, ModelM
 from cluster.faults import FaultInjection
 from cluster.payload_refs import PayloadRefs
 from cluster.replica import RefRecord
+from cluster.replica_api import Replica
 from cluster.transfer_endpoint import KVShape
 from cluster.vllm_calibration import VLLMCalibration
 from operators.fork import check_fork_count
@@ -51,7 +52,7 @@ class _Session:
     decoding: bool = False
 
 
-class VLLMReplica(VLLMCalibration, FaultInjection):
+class VLLMReplica(VLLMCalibration, FaultInjection, Replica):
     """A vLLM engine (child process) and its KV refs, addressed by ref id. One caller at a time."""
 
     def __init__(self, name: str, model: str, dtype: str = "bfloat16", threads: int | None = None,
@@ -97,11 +98,6 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
                 "tokens_computed": self._computed, "tokens_reused": self._reused, "refs": len(self._refs),
                 "requests": s["running"]}
 
-    def memcpy_bandwidth(self) -> float:
-        from costmodel.microbench import memcpy_bandwidth
-
-        return memcpy_bandwidth()
-
     def clear_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
@@ -128,10 +124,6 @@ class VLLMReplica(VLLMCalibration, FaultInjection):
         payload = self._ref(ref_id)
         suffix = self.engine.encode(text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
         return self.engine.generate(list(payload.token_ids) + suffix, max_new_tokens, kv=payload, **sampling)
-
-    def generate_text(self, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, **sampling):
-        """Plain generation from text (the recompute baseline)."""
-        return self.engine.generate(text_or_ids, max_new_tokens=max_new_tokens, **sampling)
 
     def fork(self, ref_id: str, n: int) -> list[RefRecord]:
         """n refs sharing the payload (payloads are immutable)."""

@@ -42,11 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aaflow.errors import CostModelError
+from aaflow.strategies import DEFAULT_BLOCK_TOKENS as PREFIX_BLOCK_TOKENS  # the prefix cache serves whole blocks
 from costmodel.hardware import ComputeProfile, LinkProfile
 from costmodel.model_profile import ModelProfile
 
-PREFIX_BLOCK_TOKENS = 16  # the engine's KV block size: the prefix cache serves whole blocks
-STRATEGIES = ("text", "recompute", "transfer", "stream", "transfer+stream")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ YAML only serializes the dataclasses; unknown keys are rejected, units are in th
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -17,6 +17,7 @@ from aaflow.errors import CostModelError
 from configs import CONFIG_DIR
 from costmodel.model_profile import ModelProfile
 from costmodel.units import parse_bandwidth, parse_duration
+from costmodel.yaml_fields import checked_keys, link_fields, numbers
 
 DERIVED_PREFILL_MIN_FIXED_S = 1e-4  # launch overhead of one derived prefill call
 
@@ -206,18 +207,18 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareProfile":
         """Build from plain data; unknown or missing keys raise CostModelError naming them."""
-        d = _keys(d, cls, "hardware profile")
+        d = checked_keys(d, cls, "hardware profile")
         name = str(d["name"])
         if not isinstance(d["measured"], bool):
             raise CostModelError(f"hardware {name!r}: measured must be true or false, got {d['measured']!r}")
-        compute = {str(m): ComputeProfile(**_numbers(_keys(c, ComputeProfile, f"{name}.compute.{m}"),
+        compute = {str(m): ComputeProfile(**numbers(checked_keys(c, ComputeProfile, f"{name}.compute.{m}"),
                                                      f"{name}.compute.{m}"))
                    for m, c in (d.get("compute") or {}).items()}
-        links = {str(k): _link(_keys(v, LinkProfile, f"{name}.links.{k}"), f"{name}.links.{k}")
+        links = {str(k): link_fields(checked_keys(v, LinkProfile, f"{name}.links.{k}"), f"{name}.links.{k}")
                  for k, v in (d.get("links") or {}).items()}
         scalars = {k: v for k, v in d.items() if k not in ("name", "measured", "source", "compute", "links")}
         return cls(name=name, measured=d["measured"], source=str(d.get("source", "")), compute=compute,
-                   links=links, **_numbers(scalars, name))
+                   links=links, **numbers(scalars, name))
 
     def save(self, path) -> None:
         """Write this profile as YAML."""
@@ -237,49 +238,6 @@ class HardwareProfile:
             return cls.from_dict(data)
         except CostModelError as exc:
             raise CostModelError(f"{path}: {exc}") from None
-
-
-def _keys(d, cls, where: str) -> dict:
-    """`d` checked against the dataclass `cls`: a mapping, no unknown keys, all required keys."""
-    if not isinstance(d, dict):
-        raise CostModelError(f"{where}: expected a mapping, got {type(d).__name__}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(d) - set(known))
-    if unknown:
-        raise CostModelError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
-    required = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
-    missing = [n for n in required if n not in d]
-    if missing:
-        raise CostModelError(f"{where}: missing key(s) {missing}")
-    return d
-
-
-def _link(d: dict, where: str) -> LinkProfile:
-    d = dict(d)
-    in_place = d.pop("in_place", False)
-    if not isinstance(in_place, bool):
-        raise CostModelError(f"{where}: in_place must be true or false, got {in_place!r}")
-    return LinkProfile(**_numbers(d, where), in_place=in_place)
-
-
-def _numbers(d: dict, where: str) -> dict:
-    """Numeric values as floats; strings with units are accepted for *_bytes_per_s and *_s keys."""
-    out = {}
-    for key, value in d.items():
-        if value is None:
-            out[key] = None
-        elif isinstance(value, bool):
-            raise CostModelError(f"{where}: {key} must be a number, got {value!r}")
-        elif key.endswith("_bytes_per_s"):
-            out[key] = parse_bandwidth(value)
-        elif key.endswith("_s"):
-            out[key] = parse_duration(value)
-        else:
-            try:
-                out[key] = float(value)
-            except (TypeError, ValueError):
-                raise CostModelError(f"{where}: {key} must be a number, got {value!r}") from None
-    return out
 
 
 def hardware_dir() -> Path:

@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import Union
 
 from aaflow.errors import CostModelError
+from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 
 SegmentSpec = Union[int, str]  # a known token count, or an upstream agent's name (its output tokens)
 
@@ -56,7 +57,7 @@ class AgentTask:
 
 @dataclass(frozen=True)
 class WorkflowSpec:
-    """A workflow DAG of `AgentTask`s in declaration order (the order the executor opens them)."""
+    """A workflow DAG of `AgentTask`s in declaration order (the order the scheduler opens them)."""
 
     name: str
     agents: tuple[AgentTask, ...]
@@ -131,11 +132,13 @@ class ClusterSpec:
     """Replicas as the planner sees them."""
 
     replicas: tuple[tuple[str, str], ...]
-    """(replica name, model name) in cluster order (the executor's iteration and tie-break order)."""
+    """(replica name, model name) in cluster order (the scheduler's iteration and tie-break order)."""
     link: str = "ray"
     """Transport between replicas: a `HardwareProfile` link name or a bandwidth such as "10Gbps"."""
     chunk_tokens: int = 16
-    """Minimum tokens per streamed chunk of incremental prefill (the executor's `chunk_tokens`)."""
+    """Minimum tokens per streamed chunk of incremental prefill (the scheduler's `chunk_tokens`)."""
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    """Tokens per KV block of the replicas' pools: their prefix caches serve whole blocks."""
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -145,6 +148,8 @@ class ClusterSpec:
             raise CostModelError(f"replica names must be unique, got {names}")
         if self.chunk_tokens < 1:
             raise CostModelError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.block_tokens < 1:
+            raise CostModelError(f"block_tokens must be >= 1, got {self.block_tokens}")
 
     def replicas_of(self, model: str) -> list[str]:
         """Replica names serving `model`, in cluster order."""

@@ -8,7 +8,7 @@ from operators.compose import compose
 from operators.evict import evict, free, pin, unpin
 from operators.fork import fork
 from operators.host import EvictionPolicy, KVHost
-from operators.materialize import extend, generate, materialize
+from operators.materialize import extend, materialize
 from operators.payload import KVPayload
 from operators.ref import FidelityReport, KVRef, Lineage
 from operators.spec import KVSpec
@@ -16,5 +16,5 @@ from operators.transfer import transfer
 
 __all__ = [
     "EvictionPolicy", "FidelityReport", "KVHost", "KVPayload", "KVRef", "KVSpec", "Lineage",
-    "compose", "evict", "extend", "fork", "free", "generate", "materialize", "pin", "transfer", "unpin",
+    "compose", "evict", "extend", "fork", "free", "materialize", "pin", "transfer", "unpin",
 ]

@@ -1,4 +1,4 @@
-"""materialize (text -> KV), extend (KV + text -> KV) and generate (continue a KV context)."""
+"""materialize (text -> KV) and extend (KV + text -> KV)."""
 
 from __future__ import annotations
 
@@ -40,29 +40,3 @@ def extend(kv: KVRef, text_or_ids: str | Sequence[int], *, chunk_size: int | Non
         raise
     lineage = Lineage("materialize", (kv.id,), (("continuation", "true"),)) if kv.lineage else None
     return host.register(seq, lineage, kv.fidelity)
-
-
-def generate(kv: KVRef, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, *,
-             keep_kv: bool = False, **sampling):
-    """Continue kv's context with a prompt and generate; kv itself is unchanged (forked).
-
-    Returns the engine's `GenerationOutput`; with `keep_kv`, `out.kv` is a KVRef for the
-    continued context (kv + prompt + the generated tokens but the last).
-    Sampling keywords: temperature, top_p, seed, stop, ignore_eos.
-    """
-    from aaflow.engine.sampling import SamplingParams
-
-    host = kv.host
-    params = SamplingParams(max_new_tokens=max_new_tokens, **{k: tuple(v) if k == "stop" else v
-                                                              for k, v in sampling.items()})
-    seq = host.engine.fork(host.sequence(kv))
-    try:
-        out = host.engine.generate_batch([text_or_ids], params, seq_ids=[seq], keep=True)[0]
-    except Exception:
-        host.engine.free(seq)
-        raise
-    if keep_kv:
-        out.kv = host.register(seq, Lineage("generate", (kv.id,)) if kv.lineage else None, kv.fidelity)
-    else:
-        host.engine.free(seq)
-    return out

@@ -1,4 +1,4 @@
-"""The executor simulator and the planner on hand-built profiles (pure, no Ray, no engine)."""
+"""The scheduler on the simulated clock and the planner, on hand-built profiles (no Ray, no engine)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from aaflow.errors import CostModelError
 from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
 from costmodel.model_profile import ModelProfile
-import costmodel.planner as planner_module
-from costmodel.planner import MAKESPAN_TIE, PER_AGENT_SEARCH_MAX, interchangeable_groups, plan_workflow
-from costmodel.simulate import simulate
+import aaflow.planning.search as planner_module
+from aaflow.planning.search import MAKESPAN_TIE, PER_AGENT_SEARCH_MAX, interchangeable_groups, plan_workflow
+from aaflow.planning.simulate import simulate
 from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
 O = 0.002  # the simulator's default call overhead (s)

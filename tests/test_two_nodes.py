@@ -17,7 +17,8 @@ import sys
 import pytest
 
 import aaflow as af
-from tests.cluster_checks import assert_no_kv_left
+from tests.cluster_checks import DOC, assert_no_kv_left
+from tests.cluster_checks import fixed_length_chain as chain
 from tests.test_security import _listeners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ray = pytest.importorskip("ray")
 
 STRATEGIES = ["text", "transfer", "stream", "auto"]
-DOC = "Shared context: KV caches keep keys and values. " * 8  # ~400 byte tokens: prefix sharing kicks in
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
 
 
@@ -138,15 +138,6 @@ def test_a_fresh_driver_joins_the_loopback_cluster_by_its_address(two_nodes):
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['127.0.0.1', '127.0.0.1']"
-
-
-def chain(model):
-    wf = af.Workflow("chain")
-    guide = wf.context("guide", DOC)
-    a = wf.agent("plan", model, [guide, "Plan."], max_tokens=10, ignore_eos=True)
-    b = wf.agent("draft", model, [guide, a, "Draft."], max_tokens=10, ignore_eos=True)
-    wf.agent("edit", model, [guide, b, "Edit."], max_tokens=8, ignore_eos=True)
-    return wf
 
 
 def map_reduce(model):

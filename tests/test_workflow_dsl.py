@@ -76,6 +76,25 @@ def test_yaml_kv_operator_nodes_expand_into_the_prompt():
     assert directive(wf, agent).share_prefix and evicted_contexts(wf) == {"guide"}
 
 
+def test_yaml_compose_nodes_name_their_mode_and_recompute_fraction():
+    from aaflow.runtime.kvops import directive
+
+    raw = {"contexts": {"a": "First.", "b": "Second."},
+           "kv_ops": {"both": {"op": "compose", "inputs": ["a", "b"], "mode": "blend", "r": 0.3}},
+           "agents": {"q": {"model": "m", "prompt": [{"ref": "both"}, "Go."]}}}
+    wf = workflow_from_dict(raw)
+    assert directive(wf, wf.nodes["q"]).compose == ("blend", 0.3)
+    raw["kv_ops"]["both"]["mode"] = "exact"
+    exact = workflow_from_dict(raw)
+    assert directive(exact, exact.nodes["q"]).compose is None and directive(exact, exact.nodes["q"]).share_prefix
+    for options, match in (({"mode": "glue"}, "unknown mode 'glue'"), ({"mode": "blend", "r": 2}, "r must be")):
+        wf = af.Workflow("w")
+        both = wf.kv_op("both", "compose", wf.context("a", "x"), wf.context("b", "y"), **options)
+        wf.agent("q", "m", [both, "Go."])
+        with pytest.raises(af.WorkflowError, match=match):
+            directive(wf, wf.nodes["q"])
+
+
 def test_evict_node_is_not_a_prompt_part():
     from aaflow.runtime.prompts import prompt_leaves
 

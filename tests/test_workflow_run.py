@@ -160,6 +160,34 @@ def test_kv_operator_nodes_share_place_and_evict(tiny_cluster):
     assert_no_kv_left(cluster)
 
 
+@pytest.mark.parametrize("mode", ["rerotate", "blend"])
+def test_a_compose_node_composes_separately_materialized_contexts(tiny_cluster, mode):
+    """[compose(A, B), question]: A and B are materialized apart and their KV composed; the agent
+    forks the composed prefix and reports the compose's fidelity. Run again, both contexts come
+    from the prefix cache: only each one's last partial block and blend's recompute budget are
+    computed."""
+    cluster, model = tiny_cluster
+    wf = af.Workflow("compose")
+    a, b = wf.context("a", DOC[:200]), wf.context("b", "Second context: values follow keys. " * 4)
+    wf.agent("q", model, [wf.kv_op("both", "compose", a, b, mode=mode, r=0.25), "Question."], max_tokens=4)
+    _cold(cluster)
+    cold, warm = (af.run(wf, cluster, strategy="transfer") for _ in range(2))
+    prefix = cold["q"].prefill_reused  # forked: the composed prefix
+    assert prefix > 200 + 140 and warm["q"].prefill_reused == prefix
+    for res in (cold, warm):
+        report = res["q"].fidelity
+        assert report is not None and report.mode == mode and not report.exact and report.total_tokens == prefix
+        assert res["q"].prefill_computed == res["q"].prompt_tokens - prefix  # only what follows the prefix
+    recomputed = warm["q"].fidelity.recomputed_tokens
+    if mode == "rerotate":
+        assert recomputed == 0
+    else:
+        assert 0 < recomputed <= 0.25 * prefix
+    assert cold.shared_prefill_computed == prefix + recomputed  # both contexts computed, each alone
+    assert warm.shared_prefill_computed <= 2 * 16 + recomputed  # the prefix cache served the rest
+    assert_no_kv_left(cluster)
+
+
 def test_transfer_node_to_an_unknown_replica_is_refused(tiny_cluster):
     cluster, model = tiny_cluster
     wf = af.Workflow("bad-target")

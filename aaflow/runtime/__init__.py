@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from aaflow.errors import AAFlowError, WorkflowError
-from aaflow.runtime.executor import Executor
+from aaflow.runtime.executor import execute, workflow_agents
 from aaflow.runtime.kvops import check_replicas
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
@@ -80,9 +80,10 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     decisions = plan.decisions if strategy == "auto" and plan is not None else None
     if decisions:
         events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
-    executor = Executor(workflow, cluster, strategy, builders, eos, chunk_tokens, call_timeout_s, transport, decisions,
-                        lend_cores)
-    executor.events.extend(events)
-    result = executor.run()
+    from cluster.ray_backend import RayBackend
+
+    agents = workflow_agents(workflow, builders, strategy, decisions)
+    result = execute(workflow, agents, RayBackend(cluster), builders, eos, strategy, events, chunk_tokens=chunk_tokens,
+                     call_timeout_s=call_timeout_s, transport=transport, lend_cores=lend_cores)
     result.planning_s = planning_s
     return result

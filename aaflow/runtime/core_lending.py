@@ -1,7 +1,7 @@
 """Idle cores lent to a long prefill.
 
 Each built-in replica computes on its share of its node's cores (torch threads). When the
-executor sends a long prefill to a replica while every other built-in replica on the same node has
+scheduler sends a long prefill to a replica while every other built-in replica on the same node has
 nothing to do and nothing coming (no call in flight or queued, and every unfinished agent placed
 there waits for a shared prefix still being made), the call runs on their threads too
 (`ModelReplica.with_threads`). An agent about to send its own prompt rules its replica out: lending
@@ -16,19 +16,6 @@ they do between chunkings.
 from __future__ import annotations
 
 LEND_MIN_TOKENS = 256  # shorter prefills are too small to split across threads with profit
-PREFILL_KINDS = ("prefill", "chunk", "chunks")
-
-
-def call_tokens(kind: str, args: tuple) -> int:
-    """Tokens a queued prefill call computes at most: materialize(ids), session_prefill(sid, ids,
-    ...), session_prefill_many(requests of (sid, ids, ...)); 0 for other calls."""
-    if kind == "prefill":
-        return len(args[0])
-    if kind == "chunk":
-        return len(args[1])
-    if kind == "chunks":
-        return sum(len(request[1]) for request in args[0])
-    return 0
 
 
 def lent_threads(replica, replicas: list, info: dict, idle: set[str]) -> int:

@@ -9,73 +9,82 @@ model's weights once for a handful of tokens; packed, one forward pass reads the
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
+
+from aaflow.runtime.calls import Call, CallKind
 
 # Tokens a pack may add to compute beyond its first request's: calls stay short, so decode steps interleave.
 PACK_MAX_TOKENS = 1024
+LEADER_KEY_TOKENS = 64  # fresh requests are compared with the first one starting with the same tokens
+COMPARE_RUN = 512  # ids compared at a time when looking for where two requests differ
+
+Queued = tuple[Call, Callable | None]  # a queued call and what to do with its value
 
 
-def pack_chunks(first: tuple, queue: deque, fresh: set[str], always: bool = False) -> tuple:
-    """`first` is a queued ("chunk", "session_prefill", args, {}, then) item just taken from
-    `queue`; take the other chunk items of the queue too (while they add at most PACK_MAX_TOKENS
-    tokens to compute) and return one ("chunks", "session_prefill_many", (requests,), {}, then)
-    item whose callback answers each. `fresh` names the sessions whose request is their first:
-    such a request that reuses the prefix cache computes only what an earlier fresh member does
-    not (the engine computes a prefix shared inside a pack once), so many agents' prompts on one
-    shared system prompt go in one call. A lone item comes back as it was, unless `always`."""
-    taken, rest, leaders, total = [first], deque(), {}, 0
-    _tokens_to_compute(first, leaders, fresh)  # it may lead
+def pack_prefills(first: Queued, queue: deque, fresh: set[str], always: bool = False) -> Queued:
+    """`first` is a queued PREFILL call just taken from `queue`; take the other PREFILL calls of the
+    queue too (while they add at most PACK_MAX_TOKENS tokens to compute) and return one PACK call
+    whose callback answers each. `fresh` names the sessions whose request is their first: such a
+    request that reuses the prefix cache computes only what an earlier fresh member does not (the
+    engine computes a prefix shared inside a pack once), so many agents' prompts on one shared
+    system prompt go in one call. A lone call comes back as it was, unless `always`."""
+    taken, rest, total = [first], deque(), 0
+    leaders: dict[tuple, list[int]] = {}  # first LEADER_KEY_TOKENS ids -> the fresh request leading them
+    _tokens_to_compute(first[0].args, leaders, fresh)  # it may lead
     while queue:
         item = queue.popleft()
-        cost = _tokens_to_compute(item, leaders, fresh) if item[0] == "chunk" else None
-        if cost is not None and total + cost <= PACK_MAX_TOKENS:
+        if item[0].kind is not CallKind.PREFILL:
+            rest.append(item)
+            continue
+        args = item[0].args  # (sid, token_ids, sampling, reuse_prefix)
+        cost = _tokens_to_compute(args, leaders, fresh) if args[3] and args[0] in fresh else len(args[1])
+        if total + cost <= PACK_MAX_TOKENS:
             taken.append(item)
             total += cost
         else:
             rest.append(item)
-            if cost is not None:
-                _forget(item, leaders)
+            key = tuple(args[1][:LEADER_KEY_TOKENS]) if leaders else None
+            if key is not None and leaders.get(key) is args[1]:  # left out, it cannot lead
+                del leaders[key]
     queue.extend(rest)
     if len(taken) == 1 and not always:
         return first
-    requests = [list(item[2]) for item in taken]  # [sid, token_ids, sampling, reuse_prefix]
-    thens = [item[4] for item in taken]
+    requests = [call.requests[0] for call, _ in taken]
+    thens = [then for _, then in taken]
 
     def answer_each(outs: list[dict]) -> None:
         for then, out in zip(thens, outs):
             then(out)
 
-    return "chunks", "session_prefill_many", (requests,), {}, answer_each
+    return Call(CallKind.PACK, (requests,)), answer_each
 
 
-LEADER_KEY_TOKENS = 64  # fresh requests are compared with the first one starting with the same tokens
-
-
-def _tokens_to_compute(item: tuple, leaders: dict, fresh: set[str]) -> int:
-    """The request's tokens minus what it shares with the first fresh request of the pack that
-    starts like it (`leaders`, updated here)."""
-    sid, ids, _, reuse = item[2]
+def _tokens_to_compute(args: tuple, leaders: dict, fresh: set[str]) -> int:
+    """The request's tokens (`args` of a PREFILL call) minus what it shares with the first fresh
+    request of the pack that starts like it (`leaders`, updated here)."""
+    sid, ids, _, reuse = args
     if not (reuse and sid in fresh):
         return len(ids)
     leader = leaders.setdefault(tuple(ids[:LEADER_KEY_TOKENS]), ids)
     if leader is ids:
         return len(ids)
-    shared = 0
-    for x, y in zip(ids, leader):
-        if x != y:
-            break
-        shared += 1
-    return len(ids) - shared
+    return len(ids) - common_prefix_len(ids, leader)
 
 
-def _forget(item: tuple, leaders: dict) -> None:
-    """A request left out of the pack cannot lead it."""
-    key = tuple(item[2][1][:LEADER_KEY_TOKENS])
-    if leaders.get(key) is item[2][1]:
-        del leaders[key]
-
-
-def call_sessions(kind: str, args: tuple) -> set:
-    """The session ids a queued call works on."""
-    if kind == "chunks":
-        return {request[0] for request in args[0]}
-    return {args[0]} if args and isinstance(args[0], str) else set()
+def common_prefix_len(a, b) -> int:
+    """Length of the longest common prefix of two id sequences (slices compare in C: runs of
+    COMPARE_RUN ids, then bisection inside the first run that differs)."""
+    n = min(len(a), len(b))
+    lo, hi = 0, min(n, COMPARE_RUN)
+    while lo < n and a[lo:hi] == b[lo:hi]:
+        lo, hi = hi, min(n, hi + COMPARE_RUN)
+    if lo >= n:
+        return n
+    # now a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -1,82 +1,162 @@
-"""Prefix sharing for the executor: a static prefix (chat header + leading contexts) is
-materialized once per workflow, forked by every agent on the same replica and transferred to
-other replicas that need it; an evict node frees it early."""
+"""Prefix sharing: a static prefix (chat header + leading contexts) is materialized once per
+workflow, forked by every agent on the same replica and transferred to other replicas that need
+it; an evict node frees it early. A failed transfer falls back to recomputing the prefix where it
+was going. A prefix that a compose node asks to compose approximately is made of its contexts,
+each materialized alone (so the prefix cache serves it wherever it was computed before), composed
+on the replica (`operators.compose`); the agents forking it carry the compose's FidelityReport."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from aaflow.runtime.calls import CallKind
 
 if TYPE_CHECKING:
-    from aaflow.runtime.executor import _Agent
+    from aaflow.runtime.agent_state import AgentState
+    from aaflow.runtime.scheduler import Scheduler
+
+Prefix = tuple  # (model, prefix token ids)
 
 
 class PrefixSharing:
-    """Mixin for `Executor` (uses its prefix tables, `_call` and `_opened`)."""
+    """Owns which replica holds which shared prefix, who waits for one and what is in transit."""
 
-    def _with_prefix(self, agent: _Agent, prefix: tuple) -> None:
-        """Fork the prefix's KV on the agent's replica, materializing or transferring it first.
-        `prefix` is (model, token ids); tables are keyed by it, plus a replica name where needed."""
-        holders = self.prefix_refs.setdefault(prefix, {})
-        rname = agent.replica.name
+    def __init__(self, scheduler: Scheduler, transport: str) -> None:
+        self.scheduler, self.queues, self.transport = scheduler, scheduler.queues, transport
+        self.refs: dict[Prefix, dict[str, str]] = {}  # prefix -> {replica: ref id}
+        self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
+        self.transferring: dict[tuple, tuple | None] = {}  # prefix + (dest,) -> (source, handle, transport)
+        self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
+        self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
+        self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
+
+    def waiting_agents(self) -> set[int]:
+        """ids of the agents waiting for a prefix to arrive."""
+        return {id(a) for waiters in self.waiters.values() for a in waiters}
+
+    def fork_into(self, agent: AgentState, prefix: Prefix) -> None:
+        """Open the agent's session on a fork of the prefix's KV on its replica, materializing or
+        transferring the prefix first."""
+        holders = self.refs.setdefault(prefix, {})
+        rname = agent.replica
         if rname in holders:
-            self._call(agent.replica, "open", "session_open", agent.sid, holders[rname],
-                       then=lambda _: self._opened(agent, prefix_len=len(prefix[1])))
+            agent.prefix_via = agent.prefix_via or "reuse"
+            agent.result.fidelity = self.fidelity.get(prefix)
+            self.queues.call(rname, CallKind.OPEN, agent.sid, holders[rname],
+                             then=lambda _: self.scheduler.opened(agent, prefix_len=len(prefix[1])))
             return
-        waiting = self.prefix_waiters.setdefault(prefix + (rname,), [])
+        waiting = self.waiters.setdefault(prefix + (rname,), [])
         waiting.append(agent)
         if len(waiting) > 1:
             return
-        source = next((r for r in self.cluster.replicas() if r.name in holders and r.name not in self.dead), None)
+        source = next((r for r in self.queues.replicas if r in holders and r not in self.scheduler.dead), None)
         if source is not None:
-            self._transfer_prefix(prefix, source, agent.replica, holders[source.name])
-        elif prefix not in self.prefix_origin:  # compute it once; other replicas wait to receive it
-            self.prefix_origin[prefix] = agent.replica.name
-            self._call(agent.replica, "prefill", "materialize", list(prefix[1]),
-                       then=lambda rec: self._prefix_materialized(prefix, agent.replica, rec))
+            self._transfer(prefix, source, rname, holders[source])
+        elif prefix not in self.origin:  # compute it once; other replicas wait to receive it
+            self.origin[prefix] = rname
+            self._materialize(prefix, rname)
 
-    def _transfer_prefix(self, prefix: tuple, source, dest, ref_id: str) -> None:
-        transport = self.transport or "ray"
-        key = prefix + (dest.name,)
+    def _materialize(self, prefix: Prefix, rname: str) -> None:
+        """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
+        if prefix[2] is None:
+            self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1]),
+                             then=lambda rec: self._materialized(prefix, rname, rec))
+            return
+        mode, r, lengths = prefix[2]
+        parts: list = [None] * len(lengths)
+
+        def made(i: int, record) -> None:
+            parts[i] = record
+            if all(p is not None for p in parts):
+                self.queues.call(rname, CallKind.COMPOSE, [p.id for p in parts], mode, r, then=composed)
+
+        def composed(record) -> None:
+            for part in parts:
+                self.queues.call(rname, CallKind.FREE, part.id)
+            self.fidelity[prefix] = record.fidelity
+            recomputed = record.fidelity.recomputed_tokens if record.fidelity is not None else 0
+            self.computed += sum(p.computed for p in parts) + recomputed
+            self._ready(prefix, rname, record.id, 0, received=False)
+
+        start = 0
+        for i, n in enumerate(lengths):
+            self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1][start:start + n]),
+                             then=lambda rec, i=i: made(i, rec))
+            start += n
+
+    def _transfer(self, prefix: Prefix, source: str, dest: str, ref_id: str) -> None:
+        key = prefix + (dest,)
         self.transferring[key] = None
+        handle_of: list = []
 
         def received(res) -> None:
             self.transferring.pop(key, None)
-            self._call(source, "transfer", "release", handle_of[0], transport)
-            self._prefix_ready(prefix, dest, res[0].id, res[1].nbytes)
+            self.queues.call(source, CallKind.RELEASE, handle_of[0], self.transport)
+            self._ready(prefix, dest, res[0].id, res[1].nbytes, received=True)
 
         def exposed(out) -> None:
             handle, shape, record = out
             handle_of.append(handle)
-            self.transferring[key] = (source, handle, transport)
-            self._call(dest, "transfer", "receive", handle, shape, record, transport, then=received)
+            self.transferring[key] = (source, handle, self.transport)
+            self.queues.call(dest, CallKind.RECEIVE, handle, shape, record, self.transport, then=received)
 
-        handle_of: list = []
-        self._call(source, "transfer", "expose", ref_id, transport, then=exposed)
+        self.queues.call(source, CallKind.EXPOSE, ref_id, self.transport, then=exposed)
 
-    def _prefix_materialized(self, prefix: tuple, replica, record) -> None:
-        self.shared_prefill_computed += record.computed
-        self._prefix_ready(prefix, replica, record.id, 0)
+    def _materialized(self, prefix: Prefix, rname: str, record) -> None:
+        self.computed += record.computed
+        self._ready(prefix, rname, record.id, 0, received=False)
 
-    def _prefix_ready(self, prefix: tuple, replica, ref_id: str, nbytes: int) -> None:
-        self.prefix_refs.setdefault(prefix, {})[replica.name] = ref_id
-        waiters = self.prefix_waiters.pop(prefix + (replica.name,), [])
+    def _ready(self, prefix: Prefix, rname: str, ref_id: str, nbytes: int, received: bool) -> None:
+        self.refs.setdefault(prefix, {})[rname] = ref_id
+        waiters = self.waiters.pop(prefix + (rname,), [])
         if waiters:  # one transfer serves every waiter: its bytes count once, for the first
             waiters[0].result.bytes_moved += nbytes
-        for agent in waiters:
-            self._with_prefix(agent, prefix)
-        for key, waiters in list(self.prefix_waiters.items()):  # replicas waiting for this prefix
-            if key[:-1] == prefix and waiters and key not in self.transferring:
-                self._transfer_prefix(prefix, replica, waiters[0].replica, ref_id)
+        for i, agent in enumerate(waiters):
+            agent.prefix_via = agent.prefix_via or ("transfer" if received else "recompute" if i == 0 else "reuse")
+            self.fork_into(agent, prefix)
+        for key, waiting in list(self.waiters.items()):  # replicas waiting for this prefix
+            if key[:-1] == prefix and waiting and key not in self.transferring:
+                self._transfer(prefix, rname, waiting[0].replica, ref_id)
 
-    def _evict_if_forked(self, prefix: tuple) -> None:
+    def evict_if_forked(self, prefix: Prefix) -> None:
         """An evict node named a context of this prefix: free its shared KV once every agent that
         shares it has forked it (an agent restarted later materializes it again)."""
-        sharers = [a for a in self.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
+        sharers = [a for a in self.scheduler.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
         if any(a.state in ("new", "opening") for a in sharers):
             return
-        for rname, ref_id in self.prefix_refs.pop(prefix, {}).items():
-            if rname not in self.dead:
-                self._call(next(r for r in self.cluster.replicas() if r.name == rname), "close", "free", ref_id)
-        self.prefix_origin.pop(prefix, None)
-        self.events.append(f"{self.now():.2f}s evicted a shared prefix of {len(prefix[1])} tokens")
+        self.free(self.refs.pop(prefix, {}))
+        self.origin.pop(prefix, None)
+        self.scheduler.events.append(f"{self.scheduler.now():.2f}s evicted a shared prefix of {len(prefix[1])} tokens")
+
+    def free_all(self) -> None:
+        """Free every shared prefix still held (at the end of a run)."""
+        for holders in self.refs.values():
+            self.free(holders)
+        self.refs.clear()
+
+    def free(self, holders: dict[str, str]) -> None:
+        for rname, ref_id in holders.items():
+            if rname not in self.scheduler.dead:
+                self.queues.call(rname, CallKind.FREE, ref_id)
+
+    def replica_died(self, rname: str) -> None:
+        """Forget what the dead replica held or awaited; whoever waited for a prefix it was
+        computing computes it now."""
+        for holders in self.refs.values():
+            holders.pop(rname, None)
+        self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}
+        self.transferring = {k: v for k, v in self.transferring.items() if k[-1] != rname}
+        for prefix in [p for p, origin in self.origin.items() if origin == rname]:
+            del self.origin[prefix]
+            for key in [k for k in self.waiters if k[:-1] == prefix]:
+                for agent in self.waiters.pop(key):
+                    self.fork_into(agent, prefix)
+
+    def transfer_failed(self) -> None:
+        """Recompute every prefix in transit where it was going; release what the sources exposed."""
+        for key, pending in list(self.transferring.items()):
+            del self.transferring[key]
+            if pending is not None:
+                source, handle, transport = pending
+                self.queues.call(source, CallKind.RELEASE, handle, transport)
+            self._materialize(key[:-1], key[-1])

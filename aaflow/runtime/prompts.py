@@ -74,6 +74,17 @@ class PromptBuilder:
                 merged.append(seg)
         return merged
 
+    def prefix_part_lengths(self, wf: Workflow, agent: AgentNode) -> list[int]:
+        """How the static prefix splits into its contexts (as `segments` joins them): the chat
+        header with the first context, then each further context with the separator before it."""
+        head, _ = self.frame(agent.system)
+        lengths: list[int] = []
+        for i, part in enumerate(prompt_leaves(wf, agent)):
+            if not isinstance(part, ContextNode):
+                break
+            lengths.append((len(head) if i == 0 else len(self.separator)) + len(self._ids(part.text)))
+        return lengths
+
 
 def prompt_leaves(wf: Workflow, agent: AgentNode) -> list[Union[str, ContextNode, AgentNode]]:
     """The agent's prompt parts with KV operator nodes expanded into what they carry: a fork,

@@ -1,4 +1,4 @@
-"""Fault handling for the executor: dead replicas, failed transfers, failed agents.
+"""Fault handling for the scheduler: dead replicas, failed transfers, failed agents.
 
 A replica that dies loses its sessions; every agent it ran starts over from its prompt tokens
 (its lineage) on a live replica, and consumers that had streamed tokens from it start over too.
@@ -11,9 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aaflow.errors import AAFlowError
+from aaflow.runtime.calls import Call, CallKind
 
 if TYPE_CHECKING:
-    from aaflow.runtime.executor import _Agent
+    from aaflow.runtime.backend import Ticket
+    from aaflow.runtime.scheduler import Scheduler
+
+CLEANUP_TIMEOUT_S = 10.0  # how long closing the sessions of a failed run may take
 
 
 class AgentFailedError(AAFlowError, RuntimeError):
@@ -21,66 +25,51 @@ class AgentFailedError(AAFlowError, RuntimeError):
 
 
 class Recovery:
-    """Mixin for `Executor` (uses its agents, queues, prefix tables and `_open` / `_call`)."""
+    """What the scheduler does when a replica dies or a call fails."""
 
-    def _cleanup(self, ray) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def cleanup(self) -> None:
         """After a failure: close every session still open on a live replica (bounded wait)."""
-        calls = [a.replica.actor.session_close.remote(a.sid) for a in self.agents.values()
-                 if a.replica is not None and a.replica.name not in self.dead and a.state != "done"]
-        ray.wait(calls, num_returns=len(calls), timeout=10)
+        s = self.scheduler
+        tickets = [s.backend.submit(a.replica, Call(CallKind.CLOSE, (a.sid,))) for a in s.agents.values()
+                   if a.replica is not None and a.replica not in s.dead and a.state != "done"]
+        s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
 
-    def _agents_on(self, rname: str) -> list[_Agent]:
-        return [a for a in self.agents.values() if a.replica is not None and a.replica.name == rname]
-
-    def _restart(self, agent: _Agent) -> None:
+    def _restart(self, agent) -> None:
         """Start an agent over from its prompt (its lineage) on a live replica."""
-        agent.result.restarts += 1
-        agent.state, agent.fed, agent.seg, agent.offset, agent.busy = "new", 0, 0, 0, False
-        agent.output, agent.result.decoded, agent.result.first_token_s = [], 0, None
-        for counter in ("prefill_computed", "prefill_reused", "streamed_tokens", "prompt_tokens"):
-            setattr(agent.result, counter, 0)
-        self._open_if_ready(agent)
+        if agent in self.scheduler.decoding[agent.replica]:
+            self.scheduler.decoding[agent.replica].remove(agent)
+        agent.restart()
+        self.scheduler.open_if_ready(agent)
 
-    def _replica_died(self, rname: str) -> None:
-        self.events.append(f"{self.now():.2f}s replica {rname} died; recomputing its agents elsewhere")
-        self.dead.add(rname)
-        self.queues[rname].clear()
-        self.inflight = {r: v for r, v in self.inflight.items() if v[0] != rname}
-        for holders in self.prefix_refs.values():
-            holders.pop(rname, None)
-        self.prefix_waiters = {k: v for k, v in self.prefix_waiters.items() if k[-1] != rname}
-        self.transferring = {k: v for k, v in self.transferring.items() if k[-1] != rname}
-        orphaned = {p for p, origin in self.prefix_origin.items() if origin == rname}
-        for prefix in orphaned:  # whoever waited for the dead replica's prefix computes it now
-            del self.prefix_origin[prefix]
-            for key in [k for k in self.prefix_waiters if k[:-1] == prefix]:
-                for agent in self.prefix_waiters.pop(key):
-                    self._with_prefix(agent, prefix)
-        lost = [a for a in self._agents_on(rname) if a.state != "done"]
+    def replica_died(self, rname: str) -> None:
+        s = self.scheduler
+        s.events.append(f"{s.now():.2f}s replica {rname} died; recomputing its agents elsewhere")
+        s.dead.add(rname)
+        s.queues.drop_replica(rname)
+        s.prefixes.replica_died(rname)
+        lost = [a for a in s.placed[rname] if a.state != "done"]
         for agent in lost:
             self._restart(agent)
             for name in agent.consumers:  # they streamed tokens that will be produced again
-                consumer = self.agents[name]
+                consumer = s.agents[name]
                 if consumer.state not in ("new", "done") and consumer not in lost and consumer.fed:
-                    self._call(consumer.replica, "close", "session_close", consumer.sid)
+                    s.queues.call(consumer.replica, CallKind.CLOSE, consumer.sid)
                     self._restart(consumer)
 
-    def _call_failed(self, rname: str, kind: str, exc: BaseException, involved: list[str]) -> None:
-        if kind == "transfer":  # fall back to recomputing the prefix where it was going
-            self.events.append(f"{self.now():.2f}s transfer via {rname} failed ({exc}); recomputing instead")
-            for key, pending in list(self.transferring.items()):
-                del self.transferring[key]
-                if pending is not None:
-                    source, handle, transport = pending
-                    self._call(source, "transfer", "release", handle, transport)
-                prefix, dest = key[:-1], next(r for r in self.cluster.replicas() if r.name == key[-1])
-                self._call(dest, "prefill", "materialize", list(prefix[1]),
-                           then=lambda rec, p=prefix, r=dest: self._prefix_materialized(p, r, rec))
+    def call_failed(self, ticket: Ticket, exc: BaseException) -> None:
+        s = self.scheduler
+        if ticket.call.kind.transfers:  # fall back to recomputing the prefix where it was going
+            s.events.append(f"{s.now():.2f}s transfer via {ticket.replica} failed ({exc}); recomputing instead")
+            s.prefixes.transfer_failed()
             return
-        failed = involved or [a.node.name for a in self._agents_on(rname) if a.state != "done"]
-        waiting = sorted({c for name in failed for c in self.agents[name].consumers})
+        sessions = set(ticket.call.sessions)
+        involved = [a.name for a in s.agents.values() if a.sid in sessions and a.replica == ticket.replica]
+        failed = involved or [a.name for a in s.placed[ticket.replica] if a.state != "done"]
+        waiting = sorted({c for name in failed for c in s.agents[name].consumers})
         raise AgentFailedError(
-            f"agent(s) {failed} on replica {rname} failed: {type(exc).__name__}: {exc}; "
+            f"agent(s) {failed} on replica {ticket.replica} failed: {type(exc).__name__}: {exc}; "
             f"their consumers {waiting} were stopped"
         ) from exc
-

@@ -29,6 +29,7 @@ class AgentResult:
     bytes_moved: int = 0
     restarts: int = 0
     input_order: list[str] = field(default_factory=list)  # upstream agents in prompt order (unordered: by completion)
+    fidelity: object = None  # a FidelityReport when its prefix is composed approximately (None: exact KV)
 
 
 @dataclass

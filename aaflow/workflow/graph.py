@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from aaflow.errors import WorkflowError
-
-STRATEGIES = ("auto", "text", "recompute", "transfer", "stream", "transfer+stream")
+from aaflow.strategies import STRATEGIES
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from aaflow.errors import WorkflowError
 from aaflow.workflow.graph import Ref, Workflow
 
 _TOP_KEYS = {"name", "contexts", "agents", "kv_ops"}
-_KVOP_KEYS = {"op", "inputs", "replica", "mode"}
+_KVOP_KEYS = {"op", "inputs", "replica", "mode", "r"}
 _AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy",
                "ignore_eos"}
 

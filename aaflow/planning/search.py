@@ -1,4 +1,5 @@
-"""The planner: one strategy per agent, chosen by simulating the executor (`costmodel.simulate`).
+"""The planner: one strategy per agent, chosen by running the scheduler on the simulated clock
+(`aaflow.planning.simulate`).
 
 Search: simulate uniform "text" (the baseline) and each uniform candidate, start from the best,
 then coordinate descent over agents (a few passes: try each candidate for one agent, keep it if the
@@ -15,8 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
-from costmodel.plan import STREAMING, Plan
-from costmodel.simulate import SimResult, simulate
+from aaflow.planning.plans import Plan
+from aaflow.planning.simulate import SimResult, simulate
+from aaflow.strategies import STREAMS
 from costmodel.units import format_seconds
 
 if TYPE_CHECKING:
@@ -171,7 +173,7 @@ def _reason(task: AgentTask, decisions: dict[str, str], result: SimResult, spec:
         parts.append(f"computes its prefix of {n:,} tokens on {timing.replica} ({format_seconds(recompute_s)})")
     if task.upstream:
         gap = timing.first_token_s - max(result.agents[u].end_s for u in task.upstream)
-        verb = "streams" if strategy in STREAMING else "waits for"
+        verb = "streams" if strategy in STREAMS else "waits for"
         parts.append(f"{verb} {', '.join(task.upstream)}: first token {format_seconds(gap)} after its last input")
     if strategy == "text":
         parts.append("text baseline: no strategy predicted faster")

@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
+from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 from costmodel.hardware import HardwareProfile, load_hardware
 from costmodel.model_profile import ModelProfile
 from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
@@ -46,9 +47,7 @@ def replica_infos(cluster, dtype: str = "auto") -> dict[str, dict]:
         threads = max(1, (os.cpu_count() or 1) // sum(cluster.values()))
         return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": resolve_dtype(dtype),
                     "threads": threads} for m in cluster}
-    import ray
-
-    infos = {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
+    infos = {m: cluster.info[cluster.replicas(m)[0].name] for m in cluster.models}  # read when the replicas started
     running = {i["dtype"] for i in infos.values()}
     if dtype != "auto" and running != {resolve_dtype(dtype)}:
         from aaflow.errors import CostModelError
@@ -124,7 +123,7 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
         chunk_tokens: the executor's streaming chunk size.
         dtype: planning without a cluster, the dtype the replicas would run ("auto": what
             `af.init` picks on this CPU); a live cluster's replicas report their own.
-    Returns a `costmodel.plan.Plan`; `print(plan.explain())` shows why each choice was made.
+    Returns a `aaflow.planning.plans.Plan`; `print(plan.explain())` shows why each choice was made.
     """
     from aaflow.runtime import _builders, _check_sizes
 
@@ -139,12 +138,14 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
                  progress: Callable[[str], None] | None = print, dtype: str = "auto"):
     """`plan` for a workflow already validated against `cluster`, with its prompt builders
     (`af.run` has both when it plans for `strategy="auto"`)."""
-    from costmodel.planner import plan_workflow
+    from aaflow.planning.search import plan_workflow
 
     infos = replica_infos(cluster, dtype)
     profile = resolve_hardware(cluster, infos, hardware, progress)
     link = link or transport or ("ray" if "ray" in profile.links else next(iter(profile.links), "ray"))
     profile = with_emulated_link(profile, link)
     spec = workflow_spec(workflow, builders)
-    cspec = ClusterSpec(replica_names(cluster), link=link, chunk_tokens=chunk_tokens)
+    blocks = {i["block_size"] for i in infos.values() if i.get("block_size")}
+    cspec = ClusterSpec(replica_names(cluster), link=link, chunk_tokens=chunk_tokens,
+                        block_tokens=min(blocks, default=DEFAULT_BLOCK_TOKENS))
     return plan_workflow(spec, cspec, profile, model_profiles(infos), call_overhead_s=profile.call_overhead_s or 0.002)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from costmodel.simulate import SimResult
+from aaflow.planning.simulate import SimResult
+from aaflow.strategies import STREAMS
 from costmodel.units import format_seconds
 from costmodel.workflow_spec import WorkflowSpec
-
-STREAMING = ("stream", "transfer+stream", "auto")
 
 
 def format_bytes(nbytes: float) -> str:
@@ -58,7 +57,7 @@ class Plan:
         for task in self.workflow.agents:
             timing = self.predicted.agents[task.name]
             rows.append((f"prefix:{task.prefix_key}", task.name, timing.prefix_via or "recompute"))
-            mode = "stream" if self.decisions[task.name] in STREAMING else "wait"
+            mode = "stream" if self.decisions[task.name] in STREAMS else "wait"
             rows.extend((up, task.name, mode) for up in task.upstream)
         return rows
 

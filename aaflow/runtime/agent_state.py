@@ -1,0 +1,73 @@
+"""One agent's progress through a run, as the scheduler tracks it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aaflow.runtime.kvops import KVDirective
+from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
+from aaflow.runtime.results import AgentResult
+from aaflow.strategies import STREAMS, shares_prefix
+
+
+@dataclass(eq=False)
+class AgentState:
+    """An agent: what it reads and generates, where it runs and how far it got.
+
+    `segments` is its prompt: token-id tuples known before the run and `AgentInput`s (an upstream
+    agent's output); the first is the shareable static prefix."""
+
+    name: str
+    model: str
+    strategy: str
+    segments: list[Segment]
+    consumers: list[str]
+    max_tokens: int
+    sampling: object = None  # the SamplingParams its first token is sampled with
+    ignore_eos: bool = False
+    unordered: bool = False  # reads its inputs in completion order
+    kv: KVDirective = KVDirective()
+    evicts_prefix: bool = False  # its prefix holds a context an evict node names
+    prefix_parts: tuple[int, ...] = ()  # with an approximate compose: the lengths of the contexts composed
+    result: AgentResult = None
+    replica: str | None = None
+    sid: str = ""
+    state: str = "new"  # new -> opening -> open -> decoding -> done
+    fed: int = 0  # prompt tokens sent to the replica
+    seg: int = 0  # next segment to feed, and the offset inside it
+    offset: int = 0
+    output: list[int] = field(default_factory=list)  # generated ids without end-of-sequence
+    busy: bool = False  # a prefill of this agent is queued or running
+    fresh: bool = False  # ... and it is the first of its session (nothing before it in the KV)
+    order: int = 0  # placements before its own (a replica decodes its agents in this order)
+    start_s: float = 0.0  # when it was placed
+    end_s: float = 0.0  # its last token
+    prefix_via: str = ""  # how its prefix arrived: "reuse", "transfer" or "recompute"
+    upstream: tuple[str, ...] = field(init=False)  # the agents it reads, in prompt order
+    streams: bool = field(init=False)  # prefills upstream tokens while the upstream still decodes
+
+    def __post_init__(self) -> None:
+        if self.result is None:
+            self.result = AgentResult(self.name)
+        self.upstream = tuple(dict.fromkeys(s.agent for s in self.segments if isinstance(s, AgentInput)))
+        self.streams = self.strategy in STREAMS
+
+    @property
+    def prefix_key(self) -> tuple:
+        """(model, static prefix ids, how it is composed): the KV of a prefix is shared only between
+        replicas of one model, and composed KV only with agents that ask for the same compose."""
+        compose = (*self.kv.compose, self.prefix_parts) if self.kv.compose else None
+        return self.model, static_prefix(self.segments), compose
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Materializes, forks or transfers its static prefix as a KV object."""
+        return self.kv.share_prefix or shares_prefix(self.strategy, len(static_prefix(self.segments)))
+
+    def restart(self) -> None:
+        """Forget its progress: it starts over from its prompt tokens (its lineage)."""
+        self.result.restarts += 1
+        self.state, self.fed, self.seg, self.offset, self.busy = "new", 0, 0, 0, False
+        self.output, self.result.decoded, self.result.first_token_s = [], 0, None
+        for counter in ("prefill_computed", "prefill_reused", "streamed_tokens", "prompt_tokens"):
+            setattr(self.result, counter, 0)

@@ -1,0 +1,67 @@
+"""How the scheduler reaches replicas: submit a call, learn when it ends.
+
+Two backends implement it: `cluster.ray_backend.RayBackend` runs each call on a replica actor,
+and `aaflow.runtime.sim_backend.SimBackend` predicts each call's duration from a calibrated
+hardware profile on a simulated clock. The scheduler never sees which one it drives.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from aaflow.errors import AAFlowError
+from aaflow.runtime.calls import Call
+
+
+class ReplicaLostError(AAFlowError, RuntimeError):
+    """A call's replica died; its sessions and refs are gone."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What the scheduler knows of a replica: where it runs and on how many threads."""
+
+    name: str
+    model: str
+    engine: str = "builtin"
+    node: str | None = None
+    threads: int = 1
+
+
+class Ticket:
+    """A submitted call; `seq` orders tickets by submission. Compared by identity."""
+
+    __slots__ = ("seq", "replica", "call")
+
+    def __init__(self, seq: int, replica: str, call: Call) -> None:
+        self.seq, self.replica, self.call = seq, replica, call
+
+    def __repr__(self) -> str:
+        return f"Ticket({self.seq}, {self.replica!r}, {self.call.kind.name})"
+
+
+class Backend(ABC):
+    """Runs replica calls. One call per replica at a time is the scheduler's rule, not the backend's."""
+
+    @abstractmethod
+    def replicas(self) -> list[ReplicaInfo]:
+        """The replicas, in cluster order (placement breaks ties by it)."""
+
+    @abstractmethod
+    def now(self) -> float:
+        """Seconds since the backend started (wall clock or simulated)."""
+
+    @abstractmethod
+    def submit(self, replica: str, call: Call) -> Ticket:
+        """Start `call` on `replica`; never blocks."""
+
+    @abstractmethod
+    def wait(self, tickets: list[Ticket], num_returns: int, timeout_s: float) -> list[Ticket]:
+        """Block until `num_returns` of `tickets` have ended or `timeout_s` passed; the ended
+        ones, earliest first (possibly fewer than asked for, none on a timeout)."""
+
+    @abstractmethod
+    def result(self, ticket: Ticket):
+        """An ended call's value; raises ReplicaLostError when its replica died, else the
+        exception the call raised. Called once per ticket."""

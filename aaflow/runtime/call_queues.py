@@ -1,0 +1,108 @@
+"""The scheduler's replica calls: one FIFO queue per replica, one call in flight per replica.
+
+A replica with decoding sessions alternates batched decode steps with its queued calls; queued
+prompt segments of several agents go as one packed call (`packing`), and with the decode step in
+one forward pass when the replica also decodes (a mixed step). A long prefill sent while other
+built-in replicas of its node idle runs on their threads too (`core_lending`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+from aaflow.runtime.backend import Backend, Ticket
+from aaflow.runtime.calls import Call, CallKind
+from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
+from aaflow.runtime.packing import Queued, pack_prefills
+
+if TYPE_CHECKING:
+    from aaflow.runtime.scheduler import Scheduler
+
+
+class CallQueues:
+    """Owns the per-replica queues and the calls in flight; launches what may run."""
+
+    def __init__(self, scheduler: Scheduler, backend: Backend, lend_cores: bool) -> None:
+        self.scheduler, self.backend, self.lend_cores = scheduler, backend, lend_cores
+        self.replicas = {r.name: r for r in backend.replicas()}
+        self.queues: dict[str, deque[Queued]] = {name: deque() for name in self.replicas}
+        self.inflight: dict[Ticket, Callable] = {}  # ticket -> what to do with its value
+        self.running: dict[str, Ticket] = {}  # replica -> its call in flight
+        self.last_kind: dict[str, CallKind] = {}
+
+    def call(self, replica: str, kind: CallKind, *args, then: Callable | None = None) -> None:
+        """Queue a call on `replica`; `then(value)` runs when it has ended."""
+        self.queues[replica].append((Call(kind, args), then))
+
+    def launch(self) -> None:
+        """Start a call on every live replica that has none in flight and something to do."""
+        dead = self.scheduler.dead
+        for name in self.replicas:
+            if name in self.running or name in dead:
+                continue
+            decoding = list(self.scheduler.decoding[name])
+            queue = self.queues[name]
+            if decoding and queue and queue[0][0].kind is CallKind.PREFILL:  # decode and prefill in one pass
+                pack, answer = self._pack(name, always=True)
+                call = Call(CallKind.MIXED, ([a.sid for a in decoding], pack.args[0]))
+                self._start(name, call, lambda out, ds=decoding, a=answer: self._on_mixed(ds, a, out))
+            elif decoding and (not queue or not self.last_kind.get(name, CallKind.OPEN).steps):
+                call = Call(CallKind.STEP, ([a.sid for a in decoding],))
+                self._start(name, call, lambda tokens, ds=decoding: self.scheduler.on_step(ds, tokens))
+            elif queue:
+                call, then = self._pack(name) if queue[0][0].kind is CallKind.PREFILL else queue.popleft()
+                self._start(name, self._lend(name, call), then)
+
+    def _start(self, name: str, call: Call, then: Callable | None) -> None:
+        ticket = self.backend.submit(name, call)
+        self.inflight[ticket] = then
+        self.running[name] = ticket
+        self.last_kind[name] = call.kind
+
+    def finish(self, ticket: Ticket) -> Callable:
+        """Forget an ended call; returns its callback (a no-op where it had none)."""
+        self.running.pop(ticket.replica, None)
+        return self.inflight.pop(ticket) or _ignore
+
+    def drop_replica(self, name: str) -> None:
+        """A replica died: forget its queue and its call in flight."""
+        self.queues[name].clear()
+        ticket = self.running.pop(name, None)
+        self.inflight.pop(ticket, None)
+
+    def _lend(self, name: str, call: Call) -> Call:
+        """A long prefill borrows the threads of the idle replicas of its node."""
+        tokens = call.tokens if self.lend_cores and call.kind.prefills else 0
+        if tokens < LEND_MIN_TOKENS:
+            return call
+        info = {r.name: {"node": r.node, "threads": r.threads} for r in self.replicas.values()}
+        lent = lent_threads(self.replicas[name], list(self.replicas.values()), info, self._idle_replicas())
+        if not lent:
+            return call
+        own = self.replicas[name].threads
+        self.scheduler.events.append(f"{self.backend.now():.2f}s {name} prefills {tokens} tokens on {own + lent} "
+                                     f"threads ({lent} lent by idle replicas)")
+        return call.with_threads(own + lent)
+
+    def _idle_replicas(self) -> set[str]:
+        """Replicas with no call in flight (those launched so far included) or queued, whose
+        unfinished agents all wait for a shared prefix: nothing can reach them during a prefill."""
+        waiting = self.scheduler.prefixes.waiting_agents()
+        return {name for name in self.replicas
+                if name not in self.running and name not in self.scheduler.dead and not self.queues[name]
+                and all(a.state == "done" or id(a) in waiting for a in self.scheduler.placed[name])}
+
+    def _on_mixed(self, decoding: list, answer_prefills, out: tuple[list[int], list[dict]]) -> None:
+        self.scheduler.on_step(decoding, out[0])
+        answer_prefills(out[1])
+
+    def _pack(self, name: str, always: bool = False) -> Queued:
+        """The queue's first call (a prompt segment) with the others that pack with it; with
+        `always`, as a PACK call even when it goes alone."""
+        queue = self.queues[name]
+        return pack_prefills(queue.popleft(), queue, self.scheduler.fresh_sids, always)
+
+
+def _ignore(_value) -> None:
+    return None

@@ -1,0 +1,265 @@
+"""The scheduler: runs a workflow's agents on replicas, one short replica call at a time.
+
+Per incoming-edge strategy of an agent:
+  text       wait for every input, prefill the whole prompt (no KV reuse at all): the baseline;
+  recompute  the same, but the replica's prefix cache may serve shared blocks;
+  transfer   the static prefix (chat header + contexts) is materialized once and forked on the
+             same replica, transferred to others; the rest is prefilled when the inputs are done;
+  stream     the static prefix is prefilled at once; upstream tokens are prefilled in chunks while
+             the upstream still decodes (position-stable segments only); the remainder at its end;
+  transfer+stream  both;
+  auto       as transfer+stream for prefixes of at least AUTO_MIN_SHARED_PREFIX tokens, else
+             stream (the planner resolves "auto" per agent before a run).
+Explicit KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top.
+
+It is plain code that owns its state and drives replicas through a `Backend`: on Ray
+(`cluster.ray_backend`) it runs a workflow; on the simulated clock (`sim_backend`) it predicts
+one. Its parts: `CallQueues` (per-replica queues, packing, mixed steps, lending),
+`PrefixSharing`, `Recovery`.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+
+from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.backend import Backend, ReplicaLostError
+from aaflow.runtime.call_queues import CallQueues
+from aaflow.runtime.calls import CallKind, PrefillRequest
+from aaflow.runtime.prefix_sharing import PrefixSharing
+from aaflow.runtime.prompts import AgentInput, reorder_by_completion
+from aaflow.runtime.recovery import AgentFailedError, Recovery
+from aaflow.strategies import SHARES_PREFIX, STREAMS
+
+
+class Scheduler:
+    """Agent lifecycle: placement, opening (with a shared prefix or not), feeding prompt segments
+    as they become position-stable, decoding, closing; `run` drives it to the end."""
+
+    def __init__(self, agents: dict[str, AgentState], backend: Backend, eos: dict[str, set[int]],
+                 chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
+                 lend_cores: bool = True) -> None:
+        self.agents, self.backend, self.eos = agents, backend, eos
+        self.chunk_tokens, self.call_timeout_s = max(1, chunk_tokens), call_timeout_s
+        self.events: list[str] = []
+        self.dead: set[str] = set()
+        self.replicas = backend.replicas()
+        self.placed: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}
+        self.load = {r.name: 0 for r in self.replicas}  # unfinished agents placed on each replica
+        self.decoding: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}  # in placement order
+        self.placements = 0
+        self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
+        self.readers = {a.name: [agents[c] for c in a.consumers] for a in agents.values()}
+        self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
+        self.queues = CallQueues(self, backend, lend_cores)
+        self.prefixes = PrefixSharing(self, transport or "ray")
+        self.recovery = Recovery(self)
+        self.unfinished = len(agents)
+
+    def now(self) -> float:
+        return self.backend.now()
+
+    # --- placement -----------------------------------------------------------------------
+    def place(self, agent: AgentState) -> None:
+        """The live replica of its model with the least unfinished agents, preferring one that
+        holds its prefix and, above all, the one a transfer node names."""
+        alive = [r.name for r in self.replicas if r.model == agent.model and r.name not in self.dead]
+        if not alive:
+            raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}")
+        holders = self.prefixes.refs.get(agent.prefix_key, {})
+        best = min(alive, key=lambda r: self.load[r] - (1.5 if r in holders else 0)
+                   - (100 if r == agent.kv.replica else 0))
+        if agent.replica is not None and agent in self.placed[agent.replica]:
+            self.placed[agent.replica].remove(agent)
+            self.load[agent.replica] -= 1
+        self.placed[best].append(agent)
+        self.load[best] += 1
+        agent.order, self.placements = self.placements, self.placements + 1
+        agent.replica, agent.result.replica = best, best
+        agent.sid = f"{agent.name}#{agent.result.restarts}"
+        agent.result.strategy = agent.strategy
+        agent.start_s = self.now()
+
+    # --- agent lifecycle -----------------------------------------------------------------
+    def open(self, agent: AgentState) -> None:
+        self.place(agent)
+        agent.state = "opening"
+        if agent.shares_prefix:
+            self.prefixes.fork_into(agent, agent.prefix_key)
+            return
+        self.queues.call(agent.replica, CallKind.OPEN, agent.sid, None, then=lambda _: self.opened(agent))
+
+    def open_if_ready(self, agent: AgentState) -> None:
+        """Streaming and prefix-sharing agents open at once; text / recompute once their inputs are done."""
+        if agent.strategy in STREAMS + SHARES_PREFIX or self.inputs_done(agent):
+            self.open(agent)
+
+    def opened(self, agent: AgentState, prefix_len: int = 0) -> None:
+        agent.state = "open"
+        if prefix_len:
+            agent.fed, agent.seg, agent.offset = prefix_len, 1, 0
+            agent.result.prefill_reused += prefix_len
+            agent.result.prompt_tokens += prefix_len
+            if agent.evicts_prefix:
+                self.prefixes.evict_if_forked(agent.prefix_key)
+        self.advance(agent)
+
+    def feedable(self, agent: AgentState) -> tuple[list[tuple], int, bool, int]:
+        """What may be prefilled now (position-stable): (token list, start) pieces and their
+        length, whether that completes the prompt, and how many of them come from upstream agents
+        still decoding."""
+        pieces: list[tuple] = []
+        count = streamed = 0
+        if agent.unordered and agent.offset == 0:
+            finished = sorted((a.result.last_token_s, n) for n, a in self.agents.items() if a.state == "done")
+            agent.segments = reorder_by_completion(agent.segments, agent.seg, [n for _, n in finished])
+        for i in range(agent.seg, len(agent.segments)):
+            seg = agent.segments[i]
+            start = agent.offset if i == agent.seg else 0
+            if not isinstance(seg, AgentInput):
+                pieces.append((seg, start))
+                count += len(seg) - start
+                continue
+            producer = self.agents[seg.agent]
+            if agent.unordered and producer.state != "done" and start == 0 and any(
+                    isinstance(s, AgentInput) for s in agent.segments[i + 1:]):
+                return pieces, count, False, streamed  # another input may finish first and take this slot
+            pieces.append((producer.output, start))
+            count += len(producer.output) - start
+            if producer.state != "done":
+                streamed += len(producer.output) - start
+                return pieces, count, False, streamed
+        return pieces, count, True, streamed
+
+    def consume(self, agent: AgentState, count: int) -> None:
+        """Move the feed position `count` tokens forward."""
+        agent.fed += count
+        while count:
+            seg = agent.segments[agent.seg]
+            known = not isinstance(seg, AgentInput)
+            length = len(seg) if known else len(self.agents[seg.agent].output)
+            take = min(count, length - agent.offset)
+            agent.offset += take
+            count -= take
+            if agent.offset == length and (known or self.agents[seg.agent].state == "done"):
+                agent.seg, agent.offset = agent.seg + 1, 0
+
+    def inputs_done(self, agent: AgentState) -> bool:
+        for name in agent.upstream:  # a loop, not all(): this runs for every token of every upstream
+            if self.agents[name].state != "done":
+                return False
+        return True
+
+    def advance(self, agent: AgentState) -> None:
+        if agent.state != "open" or agent.busy:
+            return
+        if not agent.streams and not self.inputs_done(agent):
+            return
+        pieces, count, complete, streamed = self.feedable(agent)
+        if not complete and (not count or (agent.fed > 0 and count < self.chunk_tokens)):
+            return  # wait for a full chunk (the static part goes at once)
+        ids: list[int] = []
+        for tokens, start in pieces:
+            ids.extend(tokens[start:])
+        agent.busy, agent.fresh = True, agent.fed == 0
+        if agent.fresh:
+            self.fresh_sids.add(agent.sid)
+        self.consume(agent, len(ids))
+        agent.result.streamed_tokens += streamed
+        agent.result.prompt_tokens += len(ids)
+        request = PrefillRequest(agent.sid, ids, agent.sampling if complete else None, agent.strategy != "text")
+        self.queues.call(agent.replica, CallKind.PREFILL, *request, then=lambda out: self.prefilled(agent, out))
+
+    def prefilled(self, agent: AgentState, out: dict) -> None:
+        agent.busy = False
+        self.fresh_sids.discard(agent.sid)
+        agent.result.prefill_computed += out["computed"]
+        agent.result.prefill_reused += out["reused"]
+        if agent.fresh:
+            agent.prefix_via = agent.prefix_via or ("reuse" if out["reused"] else "recompute")
+        if "token" in out:
+            agent.state = "decoding"
+            insort(self.decoding[agent.replica], agent, key=lambda a: a.order)
+            self.token(agent, out["token"])
+        else:
+            self.advance(agent)
+
+    def on_step(self, decoding: list[AgentState], tokens: list[int]) -> None:
+        for agent, token in zip(decoding, tokens):
+            if agent.state == "decoding":
+                self.token(agent, token)
+
+    def token(self, agent: AgentState, token: int) -> None:
+        t = self.backend.now()
+        r = agent.result
+        if r.first_token_s is None:
+            r.first_token_s = t
+        r.last_token_s, r.decoded = t, r.decoded + 1
+        is_eos = not agent.ignore_eos and token in self.eos[agent.model]
+        if not is_eos:
+            agent.output.append(token)
+        if not is_eos and r.decoded < agent.max_tokens:
+            for consumer in self.streaming_readers[agent.name]:  # the others wait for it to finish
+                self.advance(consumer)
+            return
+        agent.state, agent.end_s = "done", t
+        self.unfinished -= 1
+        self.load[agent.replica] -= 1
+        self.decoding[agent.replica].remove(agent)
+        self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+        for consumer in self.readers[agent.name]:
+            if consumer.state == "new" and self.inputs_done(consumer):
+                self.open(consumer)
+            else:
+                self.advance(consumer)
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Run every agent to its end, then what is still queued; frees every shared prefix.
+        Raises AgentFailedError naming the agents that failed and the consumers stopped."""
+        try:
+            self._loop()
+        except BaseException:
+            self.recovery.cleanup()
+            raise
+        self._finish_queued()
+
+    def _loop(self) -> None:
+        for agent in self.agents.values():
+            self.open_if_ready(agent)
+        while self.unfinished:
+            self.queues.launch()
+            if not self.queues.inflight:
+                stuck = [a.name for a in self.agents.values() if a.state != "done"]
+                raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come")
+            ready = self.backend.wait(list(self.queues.inflight), 1, self.call_timeout_s)
+            if not ready:
+                names = sorted({t.replica for t in self.queues.inflight})
+                raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s")
+            ticket = ready[0]
+            then = self.queues.finish(ticket)
+            try:
+                value = self.backend.result(ticket)
+            except ReplicaLostError:
+                self.recovery.replica_died(ticket.replica)
+            except Exception as exc:  # noqa: BLE001 - named below
+                self.recovery.call_failed(ticket, getattr(exc, "cause", None) or exc)
+            else:
+                then(value)
+
+    def _finish_queued(self) -> None:
+        """Run what is still queued (session closes, releases) and free the shared prefixes, so that
+        no KV outlives the run; each round waits for every call in flight."""
+        self.prefixes.free_all()
+        queues = self.queues
+        while any(queues.queues[r] for r in queues.queues if r not in self.dead) or queues.inflight:
+            queues.launch()
+            ready = self.backend.wait(list(queues.inflight), len(queues.inflight), self.call_timeout_s)
+            if not ready:
+                break
+            for ticket in ready:
+                then = queues.finish(ticket)
+                try:
+                    then(self.backend.result(ticket))
+                except ReplicaLostError:  # died after its agents finished: nothing to free
+                    self.dead.add(ticket.replica)

@@ -1,0 +1,30 @@
+"""Strategy names and the constants every part of aaflow that schedules or predicts a run shares.
+
+Imports nothing of aaflow: the workflow DSL, the scheduler, the planner and the cost model's
+closed forms all read these.
+"""
+
+from __future__ import annotations
+
+STRATEGIES = ("auto", "text", "recompute", "transfer", "stream", "transfer+stream")
+"""What `af.run(strategy=...)` and a per-agent `strategy=` accept; "auto" lets the planner choose."""
+
+SHARES_PREFIX = ("transfer", "transfer+stream", "auto")
+"""Strategies that materialize an agent's static prefix once as KV, fork it on the same replica and
+transfer it to others ("auto" only for prefixes of at least AUTO_MIN_SHARED_PREFIX tokens)."""
+
+STREAMS = ("stream", "transfer+stream", "auto")
+"""Strategies that prefill upstream tokens while the upstream agent still decodes."""
+
+AUTO_MIN_SHARED_PREFIX = 64
+"""Without a plan, "auto" shares a prefix as KV only from this many tokens (a chat header is not worth it)."""
+
+DEFAULT_BLOCK_TOKENS = 16
+"""Tokens per KV block of the built-in engine's pool by default; the prefix cache serves whole blocks."""
+
+
+def shares_prefix(strategy: str, prefix_tokens: int) -> bool:
+    """Whether an agent run with `strategy` shares its static prefix of `prefix_tokens` as KV."""
+    if strategy == "auto":
+        return prefix_tokens >= AUTO_MIN_SHARED_PREFIX
+    return strategy in SHARES_PREFIX

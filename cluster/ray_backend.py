@@ -1,0 +1,55 @@
+"""The scheduler's backend on Ray: each call runs on its replica's actor.
+
+This module and `cluster/` are the only places that call `.remote` / `ray.wait` for the
+scheduler (`aaflow.runtime.scheduler`, which drives replicas through `aaflow.runtime.backend`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import ray
+
+from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
+from aaflow.runtime.calls import Call
+from cluster.replica_calls import call_result
+
+
+class RayBackend(Backend):
+    """Runs calls on the replica actors of a `Cluster`, timed by the wall clock."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.handles = {r.name: r for r in cluster.replicas()}
+        self.start = time.perf_counter()
+        self.refs: dict[Ticket, ray.ObjectRef] = {}
+        self._seq = itertools.count()
+
+    def replicas(self) -> list[ReplicaInfo]:
+        info = self.cluster.info
+        return [ReplicaInfo(r.name, r.model, r.engine, info.get(r.name, {}).get("node"),
+                            info.get(r.name, {}).get("threads", 1)) for r in self.handles.values()]
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def submit(self, replica: str, call: Call) -> Ticket:
+        actor = self.handles[replica].actor
+        if call.threads:
+            ref = actor.with_threads.remote(call.threads, call.method, *call.args)
+        else:
+            ref = getattr(actor, call.method).remote(*call.args)
+        ticket = Ticket(next(self._seq), replica, call)
+        self.refs[ticket] = ref
+        return ticket
+
+    def wait(self, tickets: list[Ticket], num_returns: int, timeout_s: float) -> list[Ticket]:
+        if not tickets:
+            return []
+        by_ref = {self.refs[t]: t for t in tickets}
+        ready, _ = ray.wait(list(by_ref), num_returns=num_returns, timeout=timeout_s)
+        return [by_ref[ref] for ref in ready]
+
+    def result(self, ticket: Ticket):
+        return call_result(self.refs.pop(ticket), ticket.replica)
