@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the shipped review's paper repeated to about this many tokens (0: once, ~560)")
     demo.add_argument("--deterministic", action="store_true",
                       help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
-                           "(built-in engine; decode 15-35%% slower)")
+                           "(built-in engine; decode up to 35%% slower)")
     demo.set_defaults(func=_demo)
 
     chat = sub.add_parser("chat", help="load a model with the built-in engine and answer one chat prompt")
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "vLLM needs `bash benchmarks/setup_vllm_env.sh`)")
     run.add_argument("--deterministic", action="store_true",
                       help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
-                           "(built-in engine; decode 15-35%% slower)")
+                           "(built-in engine; decode up to 35%% slower)")
     run.set_defaults(func=_run)
 
     plan = sub.add_parser("plan", help="the planner's strategy per edge and predicted times for a workflow YAML")

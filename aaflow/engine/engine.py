@@ -23,7 +23,7 @@ from aaflow.engine.weights import load_weights
 from aaflow.errors import ModelNotFoundError
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
-DETERMINISTIC_DEFAULT = False  # on costs 15-35% of decode speed here (`aaflow bench engine`)
+DETERMINISTIC_DEFAULT = False  # on, decode runs up to 35% slower at batch 8-32 (`aaflow bench engine`)
 
 
 class Engine(PromptText):
