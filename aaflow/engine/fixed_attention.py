@@ -8,9 +8,9 @@ So every call here hands the kernel keys padded to a multiple of that tile, with
 instead of `is_causal` (whose skipping depends on where the chunk starts), and query rows per kv
 head padded to a multiple of `QUERY_ROW_MULTIPLE`: the kernel splits rows into blocks of 32, 64 or
 256, and a block of 1-3 rows (a short call, or the tail of a long one) takes another path with
-other rounding. With the
-CPU's oneDNN matmuls, whose rows do not depend on how many rows are multiplied together (checked by
-the engine's tests), the whole forward pass is then invariant.
+other rounding. oneDNN's bf16 matmuls give a row the same bits whatever the number of rows, except
+for a single row (`LlamaModel._linear` runs it as two), so the whole forward pass is then invariant
+(tests/test_engine_deterministic.py checks it).
 """
 
 from __future__ import annotations
