@@ -43,7 +43,7 @@ class AttentionBatch:
         """Several sequences' chunks of one length S, each continuing its context: chunk b's tokens
         sit at positions [starts[b], starts[b] + S) over context slots contexts[b] ([starts[b] + S])."""
         q_len = write_slots[0].numel()
-        padded = _pad_slots(contexts)  # [B, ctx]
+        padded = pad_slots(contexts)  # [B, ctx]
         ctx = padded.shape[1]
         last_key = torch.tensor(starts)[:, None] + torch.arange(q_len)[None, :]  # [B, S]: query i sees keys <= it
         mask = torch.arange(ctx)[None, None, :] <= last_key[:, :, None]  # [B, S, ctx]; padding lies beyond
@@ -53,7 +53,7 @@ class AttentionBatch:
     def decode(cls, write_slots: torch.Tensor, context_slots: list[torch.Tensor]) -> "AttentionBatch":
         """One new token per sequence; context_slots[b]: [len_b] including the new token."""
         lengths = torch.tensor([c.numel() for c in context_slots])
-        padded = _pad_slots(context_slots)  # [B, ctx]
+        padded = pad_slots(context_slots)  # [B, ctx]
         ctx = padded.shape[1]
         mask = None
         if bool((lengths != ctx).any()):
@@ -71,9 +71,11 @@ def run_start(slots: torch.Tensor) -> int | None:
     return first
 
 
-def _pad_slots(contexts: list[torch.Tensor]) -> torch.Tensor:
-    """Each sequence's context slots in one row, padded to the longest with slot 0 (callers mask it out)."""
-    padded = torch.zeros(len(contexts), max(c.numel() for c in contexts), dtype=torch.long)  # [B, ctx]
+def pad_slots(contexts: list[torch.Tensor], length: int | None = None) -> torch.Tensor:
+    """Each sequence's context slots in one row, padded with slot 0 (callers mask it out) to `length`,
+    by default the longest context's."""
+    length = length or max(c.numel() for c in contexts)
+    padded = torch.zeros(len(contexts), length, dtype=torch.long)  # [B, length]
     for b, slots in enumerate(contexts):
         padded[b, : slots.numel()] = slots
     return padded

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aaflow.engine.attention import run_start
+from aaflow.engine.attention import pad_slots, run_start
 from aaflow.engine.kv_cache import PagedKVCache
 
 KEY_TILE = 512  # the flash kernel's key split for contexts of >= 512 keys
@@ -75,18 +75,19 @@ class FixedBatch:
                 yield _call(rows, [context[: start + b]], positions, num_slots, group, dtype)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _call(rows, contexts, positions, num_slots: int, group: int, dtype: torch.dtype) -> _Call:
     """contexts: each sequence's slots up to its last query; positions: [B, S] of the queries."""
     B, S = positions.shape
-    length = -(-max(c.numel() for c in contexts) // KEY_TILE) * KEY_TILE
+    length = _round_up(max(c.numel() for c in contexts), KEY_TILE)
     first = run_start(contexts[0]) if B == 1 else None
     slots = None
     if first is None or first + length > num_slots:
-        first, slots = None, torch.zeros(B, length, dtype=torch.long)  # padding reads slot 0 (masked)
-        for b, context in enumerate(contexts):
-            slots[b, : context.numel()] = context
-        slots = slots.reshape(-1)
-    row_count = -(-group * S // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE
+        first, slots = None, pad_slots(contexts, length).reshape(-1)
+    row_count = _round_up(group * S, QUERY_ROW_MULTIPLE)
     row_pos = torch.full((B, row_count), length, dtype=torch.long)  # padding rows see every key
     row_pos[:, : group * S] = positions.repeat(1, group)  # rows ordered (g, s)
     allowed = torch.arange(length)[None, None, :] <= row_pos[:, :, None]  # [B, R, length]
