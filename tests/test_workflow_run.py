@@ -233,3 +233,20 @@ def test_a_long_prefill_borrows_the_idle_replicas_threads(tiny_cluster):
     assert not any("lent by idle replicas" in e for e in alone.events)
     assert all(lent[n].token_ids == alone[n].token_ids for n in ("a0", "a1"))
     assert_no_kv_left(cluster)
+
+
+def test_concurrent_runs_from_several_threads_share_the_replicas(tiny_cluster):
+    """Sixteen workflows run at once from eight driver threads on one cluster: every run
+    completes with its own serial tokens (session names never collide), and nothing is left."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster, model = tiny_cluster
+    builds = [chain, fan_out, fan_in, map_reduce]
+    serial = {b.__name__: af.run(b(model), cluster, strategy="text") for b in builds}
+    jobs = [(builds[i % 4], ["auto", "text", "stream", "transfer"][i // 4]) for i in range(16)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda job: af.run(job[0](model), cluster, strategy=job[1]), jobs))
+    for (build, strategy), res in zip(jobs, results):
+        for name, agent in res.agents.items():
+            assert agent.token_ids == serial[build.__name__][name].token_ids, f"{build.__name__}/{strategy}/{name}"
+    assert_no_kv_left(cluster)

@@ -20,6 +20,7 @@ one. Its parts: `CallQueues` (per-replica queues, packing, mixed steps, lending)
 
 from __future__ import annotations
 
+import uuid
 from bisect import insort
 
 from aaflow.runtime.agent_state import AgentState
@@ -48,6 +49,7 @@ class Scheduler:
         self.load = {r.name: 0 for r in self.replicas}  # unfinished agents placed on each replica
         self.decoding: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}  # in placement order
         self.placements = 0
+        self.run_id = uuid.uuid4().hex[:12]  # session names are unique across concurrent runs on shared replicas
         self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
         self.readers = {a.name: [agents[c] for c in a.consumers] for a in agents.values()}
         self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
@@ -76,7 +78,7 @@ class Scheduler:
         self.load[best] += 1
         agent.order, self.placements = self.placements, self.placements + 1
         agent.replica, agent.result.replica = best, best
-        agent.sid = f"{agent.name}#{agent.result.restarts}"
+        agent.sid = f"{self.run_id}/{agent.name}#{agent.result.restarts}"
         agent.result.strategy = agent.strategy
         agent.start_s = self.now()
 
