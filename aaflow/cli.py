@@ -7,6 +7,8 @@ import importlib
 import sys
 import time
 
+from aaflow.strategies import STRATEGIES
+
 BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "memory": "benchmarks.memory_bench",
@@ -233,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a workflow YAML on a local cluster and print a summary")
     run.add_argument("workflow")
     run.add_argument("--strategy", default="auto",
-                     choices=["auto", "text", "recompute", "transfer", "stream", "transfer+stream"])
+                     choices=STRATEGIES)
     run.add_argument("--replicas", type=int, default=2)
     run.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",

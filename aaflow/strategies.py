@@ -6,8 +6,14 @@ closed forms all read these.
 
 from __future__ import annotations
 
-STRATEGIES = ("auto", "text", "recompute", "transfer", "stream", "transfer+stream")
-"""What `af.run(strategy=...)` and a per-agent `strategy=` accept; "auto" lets the planner choose."""
+STRATEGIES = ("auto", "text", "text-nocache", "recompute", "transfer", "stream", "transfer+stream")
+"""What `af.run(strategy=...)` and a per-agent `strategy=` accept; "auto" lets the planner choose.
+"text" is plain text passing as a user of a serving engine runs it (each agent prefilled once its
+inputs are done, the replica's prefix cache on): the baseline every speedup is quoted against.
+"text-nocache" turns the prefix cache off too: only for papers' baselines that need it, labelled so."""
+
+TEXT_NOCACHE = "text-nocache"
+"""The one strategy that never lets the prefix cache serve a prompt."""
 
 SHARES_PREFIX = ("transfer", "transfer+stream", "auto")
 """Strategies that materialize an agent's static prefix once as KV, fork it on the same replica and

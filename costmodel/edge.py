@@ -11,8 +11,8 @@ simulation of the same setup must agree with them exactly:
    it: L, L + 1, ... So A's k-th token (1-based) exists at a_1 = end of A's last prefill call and
    a_k = a_{k-1} + decode_step_time(1, L + k - 2); A's end is a_O. B likewise: TTFT = end of its last
    prefill call, then output_tokens - 1 decode steps from context C + O + t. B's end is its last token.
-2. text: Q starts at A's end and prefills C + O + t with no context (no reuse).
-3. recompute: as text; on the same replica the prefix cache serves C's full blocks
+2. text-nocache: Q starts at A's end and prefills C + O + t with no context (no reuse).
+3. text and recompute: as text-nocache; on the same replica the prefix cache serves C's full blocks
    (PREFIX_BLOCK_TOKENS = 16 tokens each: floor(C / 16) * 16 tokens), so B prefills only the rest,
    with the cached tokens as context.
 4. transfer (same model only): P prefills C alone (materialize) from 0; then, on another replica, P
@@ -130,7 +130,8 @@ def predict_edge(case: EdgeCase, producer: ComputeProfile, consumer: ComputeProf
     # A prefills C + u in one call (text, recompute, stream)
     a_plain = _token_times(producer.prefill_time(c + u), c + u, o, producer)
     a_end = a_plain[-1]
-    record("text", a_plain, a_end + consumer.prefill_time(b_prompt))
+    record("text-nocache", a_plain, a_end + consumer.prefill_time(b_prompt))
+    record("text", a_plain, a_end + consumer.prefill_time(b_prompt - cached, cached))
     record("recompute", a_plain, a_end + consumer.prefill_time(b_prompt - cached, cached))
     if case.same_replica:
         b_free = a_end + consumer.prefill_time(c - cached, cached)

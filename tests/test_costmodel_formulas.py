@@ -148,7 +148,7 @@ def _edge(case, model=KNOWN_MODELS["smollm2"]):
 def test_edge_hand_computed_across_replicas():
     got = _edge(EdgeCase(32, 8, 5, 4, 3, chunk_tokens=2))
     # A: prefill 40 -> 5.0 s, tokens at 5, 5.5, 6, 6.5, 7. B's prompt 41 tokens, 2 decode steps after its first.
-    expected = {"text": (12.1, 5.1), "recompute": (12.1, 5.1),
+    expected = {"text-nocache": (12.1, 5.1), "text": (12.1, 5.1), "recompute": (12.1, 5.1),
                 # Q: C done 4.2; chunk [1,2] at 5.5 -> 6.7; chunk [3,4] 6.7 -> 7.9; last 5 tokens 7.9 -> 9.4
                 "stream": (9.4, 2.4),
                 # P: C 4.2, copy -> 5.2, u 1.8 -> A tokens 7..9; Q fetch 5.2 -> 7.2; B prefill 9 at 9 -> 10.9
@@ -167,8 +167,9 @@ def test_edge_hand_computed_same_replica():
     got = _edge(EdgeCase(40, 8, 5, 4, 3, same_replica=True, chunk_tokens=2))
     # A: prefill 48 -> 5.8, last token 7.8; B runs after it. The prefix cache holds 32 of C's 40 tokens.
     # With transfer, C is materialized alone (5.0) and forked: A's u -> 6.8, last token 8.8.
-    expected = {"text": 7.8 + 5.9,  # all 49 tokens
-                "recompute": 7.8 + 2.7,  # 17 tokens after the 32 cached
+    expected = {"text-nocache": 7.8 + 5.9,  # all 49 tokens
+                "text": 7.8 + 2.7,  # 17 tokens after the 32 cached
+                "recompute": 7.8 + 2.7,
                 "stream": 7.8 + 1.8 + 1.2 + 1.2 + 1.5,  # rest of C (8), two chunks of 2, last 1 + 4 tokens
                 "transfer": 8.8 + 1.9,  # O + t = 9 tokens after the forked C
                 "transfer+stream": 8.8 + 1.2 + 1.2 + 1.5}
@@ -192,7 +193,7 @@ def test_different_models_move_only_tokens():
     other = ComputeProfile(1e-3, 3e-5, 1e-9, 2e-3, 1e-5, 1e-8)
     got = predict_edge(EdgeCase(1000, 10, 100, 20, 10, same_model=False), other, REALISTIC,
                        KNOWN_MODELS["qwen3-8b"], LinkProfile(1e10), 1e12)
-    assert set(got) == {"text", "recompute", "stream"}
+    assert set(got) == {"text-nocache", "text", "recompute", "stream"}
     with pytest.raises(CostModelError, match="same_replica"):
         EdgeCase(1, 1, 1, 1, 1, same_replica=True, same_model=False)
     with pytest.raises(CostModelError, match="upstream_output_tokens"):

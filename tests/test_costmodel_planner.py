@@ -104,7 +104,7 @@ def test_a_pack_sharing_a_prefix_pays_a_second_pass():
     r = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "recompute"), call_overhead_s=0.0)
     assert r.prefill_tokens_computed == 68 + 4 + 4
     assert r.busy_s["s0"] == pytest.approx(2 * 0.01 + 0.001 * 76)  # two passes, not three calls
-    text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
+    text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text-nocache"), call_overhead_s=0.0)
     assert text.busy_s["s0"] == pytest.approx(0.01 + 0.001 * 3 * 68)  # no reuse: one pass
 
 
@@ -117,7 +117,7 @@ def test_first_prompts_on_one_shared_prefix_pack_beyond_the_token_cap():
     computed = 1004 + 19 * (1004 - 992)  # 62 full blocks of 16 shared; the partial one is not
     assert r.prefill_tokens_computed == computed
     assert r.busy_s["s0"] == pytest.approx(2 * 0.01 + 0.001 * computed)  # one call, two passes
-    text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text"), call_overhead_s=0.0)
+    text = simulate(spec, cluster(1), hardware(c), {"m": SMOLLM2}, uniform(spec, "text-nocache"), call_overhead_s=0.0)
     assert text.busy_s["s0"] == pytest.approx(10 * 0.01 + 0.001 * 20 * 1004)
 
 
@@ -133,11 +133,10 @@ def test_near_equal_makespans_are_a_tie_won_by_less_work(link_bytes_per_s, tie):
     assert recompute.makespan_s < transfer.makespan_s and recompute.total_busy_s > transfer.total_busy_s
     assert (transfer.makespan_s <= recompute.makespan_s * (1 + MAKESPAN_TIE)) == tie
     plan = plan_workflow(spec, cluster(2), hw, {"m": SMOLLM2})
-    if tie:  # the plan may be up to MAKESPAN_TIE slower than the fastest, for less work
-        assert plan.predicted.makespan_s <= recompute.makespan_s * (1 + MAKESPAN_TIE)
-        assert plan.predicted.total_busy_s < recompute.total_busy_s
-    else:
-        assert set(plan.decisions.values()) == {"recompute"}
+    # text (prefix cache on) is recompute here: a plan is never predicted slower than text, so even
+    # the tie with transfer, which would save work, does not admit it
+    assert plan.predicted.makespan_s <= plan.baseline.makespan_s == recompute.makespan_s
+    assert set(plan.decisions.values()) <= {"text", "recompute"}
 
 
 def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:
@@ -146,18 +145,19 @@ def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:
     return WorkflowSpec("review", reviewers + (meta,))
 
 
-def test_map_reduce_sharing_computes_fewer_prefill_tokens_and_planner_beats_text():
+def test_map_reduce_sharing_computes_fewer_prefill_tokens_and_the_plan_never_loses_to_text():
     spec = map_reduce()
     hw = hardware(CPU)
     text = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "text"))
+    nocache = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "text-nocache"))
     for strategy in ("transfer", "transfer+stream"):
         shared = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, strategy))
-        assert shared.prefill_tokens_computed < text.prefill_tokens_computed / 3, strategy
+        assert shared.prefill_tokens_computed < nocache.prefill_tokens_computed / 3, strategy
+        assert shared.prefill_tokens_computed < text.prefill_tokens_computed * 0.6, strategy  # the doc once, not twice
         assert shared.bytes_moved == 4096 * SMOLLM2.kv_bytes_per_token  # one prefix copy to the other replica
     plan = plan_workflow(spec, cluster(2), hw, {"m": SMOLLM2})
-    assert set(plan.decisions.values()) != {"text"}
-    assert plan.predicted.makespan_s < plan.baseline.makespan_s
-    assert plan.predicted.prefill_tokens_computed < plan.baseline.prefill_tokens_computed
+    # against text with its prefix cache, sharing saves work but hardly time on 2 replicas here
+    assert plan.predicted.makespan_s <= plan.baseline.makespan_s < nocache.makespan_s
     assert plan.baseline == text
     assert set(plan.alternatives) == {"recompute", "transfer", "stream", "transfer+stream"}
     assert set(plan.runner_up) == {a.name for a in spec.agents}

@@ -103,11 +103,11 @@ def _questions_on_doc(model, n: int):
     return wf
 
 
-@pytest.mark.parametrize("strategy", ["text", "transfer+stream", "stream", "auto"])
+@pytest.mark.parametrize("strategy", ["text-nocache", "text", "transfer+stream", "stream", "auto"])
 def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strategy):
-    """Six concurrent agents share a P-token prefix: text computes 6 P; transfer+stream computes P
-    once and transfers it; stream shares it through the prefix cache of each replica (full
-    blocks); auto follows the planner, whose choices are among those two kinds."""
+    """Six concurrent agents share a P-token prefix: text-nocache computes 6 P; transfer+stream
+    computes P once and transfers it; text and stream share it through the prefix cache of each
+    replica (full blocks); auto follows the planner, whose choices are among those kinds."""
     cluster, model = tiny_cluster
     wf = _questions_on_doc(model, 6)
     _cold(cluster)
@@ -117,7 +117,7 @@ def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strateg
     decode_steps = sum(a.decoded - 1 for a in res.agents.values())
     prompts = [a.prompt_tokens for a in res.agents.values()]
     prefix = len(DOC.encode()) + 20  # byte tokenizer: the doc plus the chat header, roughly
-    if strategy == "text":
+    if strategy == "text-nocache":
         assert computed == sum(prompts) + decode_steps and res.metrics["prefill_reused"] == 0
     elif strategy == "transfer+stream":
         shared = res["a0"].prefill_reused

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from aaflow.errors import CostModelError
 from aaflow.planning.plans import Plan
 from aaflow.planning.simulate import SimResult, simulate
-from aaflow.strategies import STREAMS
+from aaflow.strategies import STREAMS, TEXT_NOCACHE
 from costmodel.units import format_seconds
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _reason(task: AgentTask, decisions: dict[str, str], result: SimResult, spec:
             sharers = sum(1 for t in spec.agents if t.model == task.model and t.prefix_key == task.prefix_key
                           and decisions[t.name] in ("transfer", "transfer+stream"))
             parts.append(f"computes the prefix of {n:,} tokens once for {sharers} agent(s)")
-    elif strategy != "text" and timing.prefix_via == "reuse":
+    elif strategy != TEXT_NOCACHE and timing.prefix_via == "reuse":
         parts.append(f"prefix cache on {timing.replica} serves {timing.prefill_reused_tokens:,} tokens")
     elif n:
         parts.append(f"computes its prefix of {n:,} tokens on {timing.replica} ({format_seconds(recompute_s)})")

@@ -49,9 +49,10 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
 
     Args:
-        strategy: "auto" (the planner picks per agent, see `af.plan`), "text" (the baseline),
-            "recompute", "transfer", "stream" or "transfer+stream" (a per-agent `strategy=` in the
-            DSL overrides it).
+        strategy: "auto" (the planner picks per agent, see `af.plan`), "text" (the baseline: text
+            passing, prefix cache on, as on a serving engine), "text-nocache" (no KV reuse at all;
+            papers' baseline), "recompute", "transfer", "stream" or "transfer+stream" (a per-agent
+            `strategy=` in the DSL overrides it).
         chunk_tokens: streamed upstream tokens are prefilled downstream in chunks of at least this many.
         call_timeout_s: the longest any replica call may take before the run fails (nothing hangs).
         transport: KV transport between replicas ("ray", "nixl", "ucx", or an emulated link such as

@@ -1,8 +1,10 @@
 """The scheduler: runs a workflow's agents on replicas, one short replica call at a time.
 
 Per incoming-edge strategy of an agent:
-  text       wait for every input, prefill the whole prompt (no KV reuse at all): the baseline;
-  recompute  the same, but the replica's prefix cache may serve shared blocks;
+  text       wait for every input, prefill the whole prompt; the replica's prefix cache may serve
+             shared blocks (text passing as on a serving engine): the baseline;
+  recompute  the same (the planner's name for it on an edge);
+  text-nocache  as text, with no KV reuse at all (papers' no-cache baseline);
   transfer   the static prefix (chat header + contexts) is materialized once and forked on the
              same replica, transferred to others; the rest is prefilled when the inputs are done;
   stream     the static prefix is prefilled at once; upstream tokens are prefilled in chunks while
@@ -30,7 +32,7 @@ from aaflow.runtime.calls import CallKind, PrefillRequest
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.prompts import AgentInput, reorder_by_completion
 from aaflow.runtime.recovery import AgentFailedError, Recovery
-from aaflow.strategies import SHARES_PREFIX, STREAMS
+from aaflow.strategies import SHARES_PREFIX, STREAMS, TEXT_NOCACHE
 
 
 class Scheduler:
@@ -169,7 +171,7 @@ class Scheduler:
         self.consume(agent, len(ids))
         agent.result.streamed_tokens += streamed
         agent.result.prompt_tokens += len(ids)
-        request = PrefillRequest(agent.sid, ids, agent.sampling if complete else None, agent.strategy != "text")
+        request = PrefillRequest(agent.sid, ids, agent.sampling if complete else None, agent.strategy != TEXT_NOCACHE)
         self.queues.call(agent.replica, CallKind.PREFILL, *request, then=lambda out: self.prefilled(agent, out))
 
     def prefilled(self, agent: AgentState, out: dict) -> None:
