@@ -32,7 +32,8 @@ DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste comput
 def _demo(args) -> int:
     from aaflow.demo import run_demo
 
-    return run_demo(args.workflow, args.replicas, args.dtype, args.rounds, args.doc_tokens, args.deterministic)
+    return run_demo(args.workflow, args.replicas, args.dtype, args.rounds, args.doc_tokens, args.deterministic,
+                    args.kv_cache_bytes)
 
 
 def _chat(args) -> int:
@@ -61,6 +62,8 @@ def _run(args) -> int:
     wf = af.load_workflow(args.workflow)
     engine, engines = parse_engines(args.engine)
     options = {"deterministic": True} if args.deterministic else {}
+    if args.kv_cache_bytes:
+        options["kv_cache_bytes"] = args.kv_cache_bytes
     cluster = af.init(replicas={a.model: args.replicas for a in wf.agents()}, dtype=args.dtype,
                       engine=engine, engines=engines, **options)
     try:
@@ -222,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--deterministic", action="store_true",
                       help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
                            "(built-in engine; decode up to 35%% slower)")
+    demo.add_argument("--kv-cache-bytes", default=None, metavar="SIZE",
+                      help="KV pool per replica, e.g. 2GiB (default: 10%% of memory shared by the replicas, "
+                           "or $AAFLOW_KV_CACHE_BYTES)")
     demo.set_defaults(func=_demo)
 
     chat = sub.add_parser("chat", help="load a model with the built-in engine and answer one chat prompt")
@@ -244,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--deterministic", action="store_true",
                       help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
                            "(built-in engine; decode up to 35%% slower)")
+    run.add_argument("--kv-cache-bytes", default=None, metavar="SIZE",
+                      help="KV pool per replica, e.g. 2GiB (default: 10%% of memory shared by the replicas, "
+                           "or $AAFLOW_KV_CACHE_BYTES)")
     run.set_defaults(func=_run)
 
     plan = sub.add_parser("plan", help="the planner's strategy per edge and predicted times for a workflow YAML")
@@ -278,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name")
     fetch.add_argument("--force", action="store_true", help="download and convert again")
     fetch.set_defaults(func=_fetch_model)
+
+    from benchmarks import report as report_module
+
+    report = sub.add_parser("report", help="regenerate docs/RESULTS.md's summary table from docs/results/*.json")
+    report_module.add_arguments(report)
+    report.set_defaults(func=report_module.run)
 
     bench = sub.add_parser("bench", help="run a benchmark; writes JSON under results/")
     bench_sub = bench.add_subparsers(dest="name", required=True)

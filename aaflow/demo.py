@@ -30,7 +30,7 @@ def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
 
 
 def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "auto", rounds: int = 2,
-             doc_tokens: int = 2000, deterministic: bool = False) -> int:
+             doc_tokens: int = 2000, deterministic: bool = False, kv_cache_bytes: str | None = None) -> int:
     """Run the workflow with `text` and with `auto`, alternating, `rounds` times each from cold prefix
     caches; print the answers, both runs' tables and the median speedup. Without `workflow_path`, the
     shipped review workflow over its paper repeated to about `doc_tokens` tokens."""
@@ -50,7 +50,8 @@ def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "
     print(f"starting a local Ray cluster with {replicas} replica(s) of {', '.join(sorted(models))} ({dtype}) ...",
           flush=True)
     t0 = time.perf_counter()
-    cluster = af.init(replicas={m: replicas for m in models}, dtype=dtype, deterministic=deterministic)
+    options = {"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {}
+    cluster = af.init(replicas={m: replicas for m in models}, dtype=dtype, deterministic=deterministic, **options)
     print(f"cluster ready in {time.perf_counter() - t0:.1f} s: {[r.name for r in cluster.replicas()]}\n", flush=True)
     try:
         results, walls = {}, {"text": [], "auto": []}

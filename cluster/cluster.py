@@ -90,6 +90,11 @@ class Cluster:
                 "check `ray status` for free CPUs and that every node joined"
             )
         threads = max(1, int((num_cpus or os.cpu_count() or 1) // total))
+        if "kv_cache_bytes" not in engine_kwargs and "num_blocks" not in engine_kwargs:
+            from aaflow.engine.kv_budget import default_kv_cache_bytes
+
+            builtin = sum(n for m, n in replicas.items() if kinds[m] == "builtin")
+            engine_kwargs["kv_cache_bytes"] = default_kv_cache_bytes(builtin)  # as if they shared this machine
         actor_cls = {kind: ray.remote(replica_class(kind)) for kind in set(kinds.values())}
         self._replicas: list[ReplicaHandle] = []
         self._closed = False
@@ -150,6 +155,7 @@ def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Clus
 
     Local Ray binds 127.0.0.1 only. Keyword arguments go to `Cluster` (dtype, num_cpus,
     placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, and built-in
-    engine settings such as kv_cache_bytes).
+    engine settings such as kv_cache_bytes: each built-in replica's KV pool, by default 10% of this
+    machine's memory shared by the built-in replicas, or $AAFLOW_KV_CACHE_BYTES; `aaflow.engine.kv_budget`).
     """
     return Cluster(replicas, address=address, **kwargs)

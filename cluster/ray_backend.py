@@ -29,7 +29,8 @@ class RayBackend(Backend):
     def replicas(self) -> list[ReplicaInfo]:
         info = self.cluster.info
         return [ReplicaInfo(r.name, r.model, r.engine, info.get(r.name, {}).get("node"),
-                            info.get(r.name, {}).get("threads", 1)) for r in self.handles.values()]
+                            info.get(r.name, {}).get("threads", 1), info.get(r.name, {}).get("kv_blocks"),
+                            info.get(r.name, {}).get("block_size", 16)) for r in self.handles.values()]
 
     def now(self) -> float:
         return time.perf_counter() - self.start

@@ -70,7 +70,7 @@ class ModelReplica(SequenceSessions, FaultInjection, Calibration, TransferEndpoi
                 "pid": os.getpid(), "node": _node_id(), "bytes_per_token": self.host.spec.bytes_per_token,
                 "dtype": str(self.engine.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
                 "vocab_size": self.engine.config.vocab_size, "model_path": str(self.engine.model_path),
-                "block_size": self.engine.kv_layout.block_size,
+                "block_size": self.engine.kv_layout.block_size, "kv_blocks": self.engine.kv_layout.num_blocks,
                 "max_tokens": min(self.engine.config.max_position_embeddings,
                                   self.engine.kv_layout.num_blocks * self.engine.kv_layout.block_size // 4)}
 

@@ -31,16 +31,29 @@ def _builders(models: set[str]) -> tuple[dict, dict, dict]:
     return builders, eos, limits
 
 
-def _check_sizes(wf, builders, limits) -> None:
-    """Refuse prompts that cannot fit the model's positions, counting upstream outputs at their max."""
+def _check_sizes(wf, builders, limits, cluster) -> None:
+    """Refuse prompts that cannot fit the model's positions, counting upstream outputs at their
+    max, and prompts that no replica's KV pool could hold even alone."""
+    pools: dict[str, int] = {}
+    for r in cluster.replicas():
+        info = cluster.info.get(r.name, {})
+        if info.get("kv_blocks"):
+            pools[r.model] = max(pools.get(r.model, 0), info["kv_blocks"] * info.get("block_size", 16))
     for agent in wf.agents():
-        total = agent.max_tokens
+        prompt = 0
         for seg in builders[agent.model].segments(wf, agent):
-            total += wf.nodes[seg.agent].max_tokens if isinstance(seg, AgentInput) else len(seg)
+            prompt += wf.nodes[seg.agent].max_tokens if isinstance(seg, AgentInput) else len(seg)
+        total = prompt + agent.max_tokens
         if total > limits[agent.model]:
             raise WorkflowError(
                 f"agent {agent.name!r}: prompt plus output can reach {total} tokens, beyond model "
                 f"{agent.model!r}'s {limits[agent.model]} positions; shorten its contexts or max_tokens"
+            )
+        if agent.model in pools and prompt + 1 > pools[agent.model]:
+            raise WorkflowError(
+                f"agent {agent.name!r}: its prompt can reach {prompt} tokens, more than the KV pool of any "
+                f"replica of {agent.model!r} holds ({pools[agent.model]} tokens); start the cluster with a "
+                "larger kv_cache_bytes (af.init, --kv-cache-bytes or AAFLOW_KV_CACHE_BYTES) or shorten it"
             )
 
 
@@ -66,7 +79,7 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
     builders, eos, limits = _builders({a.model for a in workflow.agents()})
-    _check_sizes(workflow, builders, limits)
+    _check_sizes(workflow, builders, limits, cluster)
     events = []
     planning_s = 0.0
     if strategy == "auto" and plan is None:

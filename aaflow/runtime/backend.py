@@ -20,13 +20,16 @@ class ReplicaLostError(AAFlowError, RuntimeError):
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """What the scheduler knows of a replica: where it runs and on how many threads."""
+    """What the scheduler knows of a replica: where it runs, on how many threads, and how many KV
+    blocks of how many tokens its pool has (None: it does not say; nothing is admitted by size)."""
 
     name: str
     model: str
     engine: str = "builtin"
     node: str | None = None
     threads: int = 1
+    kv_blocks: int | None = None
+    block_tokens: int = 16
 
 
 class Ticket:

@@ -2,15 +2,17 @@
 
 A replica that dies loses its sessions; every agent it ran starts over from its prompt tokens
 (its lineage) on a live replica, and consumers that had streamed tokens from it start over too.
-A failed transfer degrades to recomputing the prefix where it was going. An agent that fails
-stops the run with an error naming it and the consumers that will not run.
+A failed transfer degrades to recomputing the prefix where it was going. A call refused for lack
+of KV blocks preempts: the agents whose prompt it carried (or, for a decode step, the agent placed
+last) close their sessions and start over once something on that replica ends. An agent that
+fails stops the run with an error naming it and the consumers that will not run.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aaflow.errors import AAFlowError
+from aaflow.errors import AAFlowError, KVCapacityError
 from aaflow.runtime.calls import Call, CallKind
 
 if TYPE_CHECKING:
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from aaflow.runtime.scheduler import Scheduler
 
 CLEANUP_TIMEOUT_S = 10.0  # how long closing the sessions of a failed run may take
+MAX_PREEMPTIONS = 50  # an agent preempted this often for lack of KV fails (the pool is too small)
 
 
 class AgentFailedError(AAFlowError, RuntimeError):
@@ -29,6 +32,7 @@ class Recovery:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.preempted: dict[str, int] = {}  # agent -> times preempted
 
     def cleanup(self) -> None:
         """After a failure: close every session still open on a live replica (bounded wait)."""
@@ -37,12 +41,51 @@ class Recovery:
                    if a.replica is not None and a.replica not in s.dead and a.state != "done"]
         s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
 
-    def _restart(self, agent) -> None:
-        """Start an agent over from its prompt (its lineage) on a live replica."""
-        if agent in self.scheduler.decoding[agent.replica]:
-            self.scheduler.decoding[agent.replica].remove(agent)
+    def _restart(self, agent, gate: bool = False) -> None:
+        """Start an agent over from its prompt (its lineage) on a live replica; `gate`: only once
+        something on that replica has ended (it was preempted for lack of KV)."""
+        s = self.scheduler
+        if agent in s.decoding[agent.replica]:
+            s.decoding[agent.replica].remove(agent)
+        s.admission.release(agent)
+        if gate:
+            s.admission.gate(agent)
         agent.restart()
-        self.scheduler.open_if_ready(agent)
+        s.open_if_ready(agent)
+
+    def _restart_with_readers(self, agent, lost=(), gate: bool = False) -> None:
+        """Restart `agent` and the consumers that streamed its tokens (they will be produced again)."""
+        s = self.scheduler
+        self._restart(agent, gate)
+        for name in agent.consumers:
+            consumer = s.agents[name]
+            if consumer.state not in ("new", "admitting", "done") and consumer not in lost and consumer.fed:
+                s.queues.call(consumer.replica, CallKind.CLOSE, consumer.sid)
+                self._restart(consumer)
+
+    def kv_short(self, ticket: Ticket, exc: KVCapacityError) -> None:
+        """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
+        s = self.scheduler
+        call = ticket.call
+        on_replica = {a.sid: a for a in s.agents.values() if a.replica == ticket.replica and a.state != "done"}
+        if call.kind.steps and not call.requests:
+            decoding = [on_replica[sid] for sid in call.sessions if sid in on_replica]
+            victims = [max(decoding, key=lambda a: a.order)] if decoding else []
+        else:
+            victims = [on_replica[r.sid] for r in call.requests if r.sid in on_replica]
+            if call.kind is CallKind.OPEN and call.args[0] in on_replica:
+                victims = [on_replica[call.args[0]]]
+        if not victims:
+            self.call_failed(ticket, exc, preempt=False)
+            return
+        for agent in victims:
+            count = self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
+            if count > MAX_PREEMPTIONS:
+                self.call_failed(ticket, exc, preempt=False)
+            s.events.append(f"{s.now():.2f}s preempted {agent.name} on {ticket.replica} ({exc}); "
+                            "it starts over when KV frees up there")
+            s.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+            self._restart_with_readers(agent, gate=True)
 
     def replica_died(self, rname: str) -> None:
         s = self.scheduler
@@ -52,15 +95,13 @@ class Recovery:
         s.prefixes.replica_died(rname)
         lost = [a for a in s.placed[rname] if a.state != "done"]
         for agent in lost:
-            self._restart(agent)
-            for name in agent.consumers:  # they streamed tokens that will be produced again
-                consumer = s.agents[name]
-                if consumer.state not in ("new", "done") and consumer not in lost and consumer.fed:
-                    s.queues.call(consumer.replica, CallKind.CLOSE, consumer.sid)
-                    self._restart(consumer)
+            self._restart_with_readers(agent, lost)
 
-    def call_failed(self, ticket: Ticket, exc: BaseException) -> None:
+    def call_failed(self, ticket: Ticket, exc: BaseException, preempt: bool = True) -> None:
         s = self.scheduler
+        if preempt and isinstance(exc, KVCapacityError) and not ticket.call.kind.transfers:
+            self.kv_short(ticket, exc)
+            return
         if ticket.call.kind.transfers:  # fall back to recomputing the prefix where it was going
             s.events.append(f"{s.now():.2f}s transfer via {ticket.replica} failed ({exc}); recomputing instead")
             s.prefixes.transfer_failed()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import uuid
 from bisect import insort
 
+from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaLostError
 from aaflow.runtime.call_queues import CallQueues
@@ -56,6 +57,7 @@ class Scheduler:
         self.readers = {a.name: [agents[c] for c in a.consumers] for a in agents.values()}
         self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
         self.queues = CallQueues(self, backend, lend_cores)
+        self.admission = Admission(self)
         self.prefixes = PrefixSharing(self, transport or "ray")
         self.recovery = Recovery(self)
         self.unfinished = len(agents)
@@ -66,13 +68,13 @@ class Scheduler:
     # --- placement -----------------------------------------------------------------------
     def place(self, agent: AgentState) -> None:
         """The live replica of its model with the least unfinished agents, preferring one that
-        holds its prefix and, above all, the one a transfer node names."""
+        holds its prefix, then one with room for its KV, and above all the one a transfer node names."""
         alive = [r.name for r in self.replicas if r.model == agent.model and r.name not in self.dead]
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}")
         holders = self.prefixes.refs.get(agent.prefix_key, {})
         best = min(alive, key=lambda r: self.load[r] - (1.5 if r in holders else 0)
-                   - (100 if r == agent.kv.replica else 0))
+                   + (0 if self.admission.fits(agent, r) else 10) - (100 if r == agent.kv.replica else 0))
         if agent.replica is not None and agent in self.placed[agent.replica]:
             self.placed[agent.replica].remove(agent)
             self.load[agent.replica] -= 1
@@ -87,6 +89,11 @@ class Scheduler:
     # --- agent lifecycle -----------------------------------------------------------------
     def open(self, agent: AgentState) -> None:
         self.place(agent)
+        if self.admission.admit(agent):
+            self.opened_admitted(agent)
+
+    def opened_admitted(self, agent: AgentState) -> None:
+        """Its KV has room on its replica: open its session (on a fork of its shared prefix or not)."""
         agent.state = "opening"
         if agent.shares_prefix:
             self.prefixes.fork_into(agent, agent.prefix_key)
@@ -211,6 +218,7 @@ class Scheduler:
         self.load[agent.replica] -= 1
         self.decoding[agent.replica].remove(agent)
         self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+        self.admission.release(agent)
         for consumer in self.readers[agent.name]:
             if consumer.state == "new" and self.inputs_done(consumer):
                 self.open(consumer)
@@ -233,6 +241,8 @@ class Scheduler:
             self.open_if_ready(agent)
         while self.unfinished:
             self.queues.launch()
+            if not self.queues.inflight and self.admission.force_one():
+                continue
             if not self.queues.inflight:
                 stuck = [a.name for a in self.agents.values() if a.state != "done"]
                 raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come")

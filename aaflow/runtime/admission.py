@@ -1,0 +1,107 @@
+"""Admission: an agent opens on a replica only when the KV it can reach fits that replica's pool.
+
+An agent reserves, when admitted, the blocks its whole prompt and output can take (its static
+tokens, its upstream agents' `max_tokens`, its own `max_tokens`), and gives them back when it ends
+or starts over. An agent that does not fit waits in its replica's queue, in the order agents were
+placed (upstream agents are placed before the agents reading them, so a waiting producer is never
+overtaken by its consumers); each release admits from the head of the queue. An agent that would
+not fit even alone is admitted when its replica holds no other reservation (its output may stop
+early); a real shortage is then handled by preemption (`Recovery.kv_short`).
+
+Reservations are conservative: blocks shared by forks and the prefix cache are counted once per
+agent, and a shared prefix held by the run itself is not counted. They cover this run only: other
+runs on the same replicas and pinned contexts are found out by the replica's `KVCapacityError`,
+which preempts. Replicas that do not say how many blocks they have (vLLM, the simulated clock)
+admit everyone: vLLM's own scheduler queues and preempts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aaflow.runtime.prompts import AgentInput
+
+if TYPE_CHECKING:
+    from aaflow.runtime.agent_state import AgentState
+    from aaflow.runtime.scheduler import Scheduler
+
+
+class Admission:
+    """Per-replica KV reservations and the agents waiting for room."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.capacity = {r.name: r.kv_blocks for r in scheduler.replicas}  # None: not limited here
+        self.block_tokens = {r.name: max(1, r.block_tokens) for r in scheduler.replicas}
+        self.reserved = {r.name: 0 for r in scheduler.replicas}
+        self.holds: dict[str, tuple[str, int]] = {}  # agent -> (replica, blocks reserved)
+        self.waiting: dict[str, list[AgentState]] = {r.name: [] for r in scheduler.replicas}
+        self.gated: dict[str, str] = {}  # preempted agent -> the replica where it waits for a release
+
+    def blocks(self, agent: AgentState, replica: str) -> int:
+        """The most blocks `agent` can hold on `replica`: prompt at its longest plus its output."""
+        agents = self.scheduler.agents
+        tokens = agent.max_tokens + sum(agents[s.agent].max_tokens if isinstance(s, AgentInput) else len(s)
+                                        for s in agent.segments)
+        return -(-tokens // self.block_tokens[replica]) + 1  # + the block a fork copies on write
+
+    def fits(self, agent: AgentState, replica: str) -> bool:
+        capacity = self.capacity.get(replica)
+        return capacity is None or self.reserved[replica] + self.blocks(agent, replica) <= capacity
+
+    def admit(self, agent: AgentState) -> bool:
+        """Reserve room for `agent` on its replica now, or queue it (False)."""
+        replica = agent.replica
+        queue = self.waiting[replica]
+        if self.gated.get(agent.name) != replica and not queue and (self.fits(agent, replica) or not self.reserved[replica]):
+            self._reserve(agent)
+            return True
+        if agent not in queue:
+            queue.append(agent)
+            agent.state = "admitting"
+        return False
+
+    def release(self, agent: AgentState) -> None:
+        """`agent` ended or starts over: give its blocks back and admit whoever now fits there."""
+        hold = self.holds.pop(agent.name, None)
+        for queue in self.waiting.values():
+            if agent in queue:
+                queue.remove(agent)
+        if hold is None:
+            return
+        replica, blocks = hold
+        self.reserved[replica] -= blocks
+        for name in [n for n, r in self.gated.items() if r == replica]:
+            del self.gated[name]
+        self._admit_waiting(replica)
+
+    def gate(self, agent: AgentState) -> None:
+        """`agent` was preempted on its replica: it is admitted there again only after a release."""
+        self.gated[agent.name] = agent.replica
+
+    def force_one(self) -> bool:
+        """Nothing runs and agents wait for room: admit the first waiting agent anyway (preemption
+        handles a real shortage). False when nobody waits."""
+        for replica, queue in self.waiting.items():
+            if queue and replica not in self.scheduler.dead:
+                self.gated.pop(queue[0].name, None)
+                self._open(queue.pop(0))
+                return True
+        return False
+
+    def _admit_waiting(self, replica: str) -> None:
+        queue = self.waiting[replica]
+        if replica in self.scheduler.dead:
+            return
+        while queue and self.gated.get(queue[0].name) != replica and (
+                self.fits(queue[0], replica) or not self.reserved[replica]):
+            self._open(queue.pop(0))
+
+    def _reserve(self, agent: AgentState) -> None:
+        blocks = self.blocks(agent, agent.replica)
+        self.holds[agent.name] = (agent.replica, blocks)
+        self.reserved[agent.replica] += blocks
+
+    def _open(self, agent: AgentState) -> None:
+        self._reserve(agent)
+        self.scheduler.opened_admitted(agent)
