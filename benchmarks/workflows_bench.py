@@ -120,7 +120,8 @@ def _measure_all(args, workflows: dict, strategies: list[str], replicas: int) ->
     try:
         _warm(cluster, strategies, args.chunk_tokens)
         for name, wf in workflows.items():
-            row = out[name] = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens, warmup=not args.quick)
+            row = out[name] = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens,
+                                       warmup=not (args.quick or args.no_warmup))
             log(f"{name} ({replicas} replica(s)): " + ", ".join(f"{s} {row[s]['wall_s']:.2f} s" for s in strategies)
                 + " | " + ", ".join(f"{s} {-row[s]['latency_reduction_vs_text']:+.0%} latency vs text"
                                     for s in strategies[1:]))
@@ -222,6 +223,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pairs", type=int, nargs="*", default=None,
                    help="A->B workflows of this many pairs (default 1 8 64; quick: 1 8)")
     p.add_argument("--replicas", type=int, default=2, help="SmolLM2 replicas sharing the cores")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no untimed run of each workflow before its repeats (the tiny warm-up chain still runs)")
     p.add_argument("--also-replicas", type=int, nargs="*", default=[],
                    help="also time text and auto on clusters of these many replicas (how to split the cores)")
     p.add_argument("--guide-tokens", type=int, default=2500, help="chain's shared guide")

@@ -31,11 +31,11 @@ def _builders(models: set[str]) -> tuple[dict, dict, dict]:
     return builders, eos, limits
 
 
-def _check_sizes(wf, builders, limits, cluster) -> None:
+def _check_sizes(wf, builders, limits, cluster=None) -> None:
     """Refuse prompts that cannot fit the model's positions, counting upstream outputs at their
-    max, and prompts that no replica's KV pool could hold even alone."""
+    max, and (given a live cluster) prompts that no replica's KV pool could hold even alone."""
     pools: dict[str, int] = {}
-    for r in cluster.replicas():
+    for r in cluster.replicas() if hasattr(cluster, "info") else []:
         info = cluster.info.get(r.name, {})
         if info.get("kv_blocks"):
             pools[r.model] = max(pools.get(r.model, 0), info["kv_blocks"] * info.get("block_size", 16))
