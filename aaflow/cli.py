@@ -21,6 +21,7 @@ BENCHMARKS = {
     "overhead": "benchmarks.overhead_bench",
     "consistency": "benchmarks.consistency_bench",
     "workflows": "benchmarks.workflows_bench",
+    "load": "benchmarks.load_bench",
 }
 
 DTYPE_ARG = ["auto", "bfloat16", "float32"]
