@@ -22,6 +22,7 @@ BENCHMARKS = {
     "consistency": "benchmarks.consistency_bench",
     "workflows": "benchmarks.workflows_bench",
     "load": "benchmarks.load_bench",
+    "chaos": "benchmarks.chaos_bench",
 }
 
 DTYPE_ARG = ["auto", "bfloat16", "float32"]

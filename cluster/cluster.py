@@ -63,7 +63,7 @@ class Cluster:
     def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "auto",
                  num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
                  placement_strategy: str = "PACK", engine: str = "builtin", engines: dict[str, str] | None = None,
-                 vllm_options: dict | None = None, **engine_kwargs) -> None:
+                 vllm_options: dict | None = None, restarts: int = 0, **engine_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -104,7 +104,7 @@ class Cluster:
                 name = f"{model}-{i}"
                 kwargs = engine_kwargs if kinds[model] == "builtin" else dict(vllm_options or {})
                 actor = actor_cls[kinds[model]].options(
-                    num_cpus=per_replica, max_concurrency=1,
+                    num_cpus=per_replica, max_concurrency=1, max_restarts=restarts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
                 ).remote(name, model, dtype=dtypes[kinds[model]], threads=threads, **kwargs)
                 self._replicas.append(ReplicaHandle(name, model, actor, kinds[model]))
@@ -154,8 +154,13 @@ def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Clus
     """Start (or join, with `address`) a Ray cluster and load `replicas` = {model: count}.
 
     Local Ray binds 127.0.0.1 only. Keyword arguments go to `Cluster` (dtype, num_cpus,
-    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, and built-in
-    engine settings such as kv_cache_bytes: each built-in replica's KV pool, by default 10% of this
-    machine's memory shared by the built-in replicas, or $AAFLOW_KV_CACHE_BYTES; `aaflow.engine.kv_budget`).
+    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, restarts, and
+    built-in engine settings such as kv_cache_bytes: each built-in replica's KV pool, by default 10%
+    of this machine's memory shared by the built-in replicas, or $AAFLOW_KV_CACHE_BYTES;
+    `aaflow.engine.kv_budget`).
+
+    restarts: how many times Ray restarts a replica whose process dies (-1: always; default 0). A
+    restarted replica comes back empty (its model reloaded, no KV); a run in flight recomputes what
+    it held elsewhere, and later runs use it again.
     """
     return Cluster(replicas, address=address, **kwargs)

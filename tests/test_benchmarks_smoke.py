@@ -10,7 +10,7 @@ import pytest
 
 from aaflow.cli import BENCHMARKS, build_parser
 
-QUICK = ["scaling", "overhead", "consistency", "workflows", "load"]
+QUICK = ["scaling", "overhead", "consistency", "workflows", "load", "chaos"]
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

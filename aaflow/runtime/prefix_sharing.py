@@ -145,7 +145,12 @@ class PrefixSharing:
         for holders in self.refs.values():
             holders.pop(rname, None)
         self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}
-        self.transferring = {k: v for k, v in self.transferring.items() if k[-1] != rname}
+        for key, pending in list(self.transferring.items()):
+            if key[-1] != rname:
+                continue
+            del self.transferring[key]
+            if pending is not None and pending[0] not in self.scheduler.dead:  # the source still exposes it
+                self.queues.call(pending[0], CallKind.RELEASE, pending[1], pending[2])
         for prefix in [p for p, origin in self.origin.items() if origin == rname]:
             del self.origin[prefix]
             for key in [k for k in self.waiters if k[:-1] == prefix]:

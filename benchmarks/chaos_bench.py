@@ -1,0 +1,189 @@
+"""`aaflow bench chaos`: workflows run while replica processes are killed at random moments.
+
+A cluster of `--replicas` replicas (fp32: every strategy gives `text`'s tokens exactly) that Ray
+restarts when their process dies runs the chain, fan-out, map-reduce and A->B workflows round
+after round under `text`, `stream` and `transfer` over each KV transport (`ray`, `nixl`, `ucx`,
+where installed), while a killer thread SIGKILLs a random replica process of this cluster at a
+random moment (at most `replicas - 1` per run, so one replica always lives). The process title
+says what the replica was doing when it died (`ray::ModelReplica.session_step`: a decode step,
+`.materialize`: a shared prefix, `.expose` / `.receive`: either side of a transfer, ...).
+Checked: every run completes with `text`'s tokens within `--call-timeout-s` per call, and after
+the last run every replica holds no session, no ref and no used block. Reported: kills by what
+was running, runs, runs with identical output, failures and the longest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import threading
+import time
+
+from benchmarks.common import log, machine_facts, write_json
+
+
+def replica_processes() -> dict[int, str]:
+    """pid -> process title of this driver's replica actors (descendants of this process only:
+    another program's Ray on the same machine is never touched)."""
+    import psutil
+
+    found = {}
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if title.startswith("ray::ModelReplica"):
+            found[proc.pid] = title.split()[0]
+    return found
+
+
+class Killer:
+    """Kills a random replica process every `interval` seconds (uniform 0.5x-1.5x) while armed."""
+
+    def __init__(self, replicas: int, interval_s: float, seed: int) -> None:
+        self.replicas, self.interval_s, self.rng = replicas, interval_s, random.Random(seed)
+        self.kills: list[str] = []  # the title of each process killed
+        self.per_run = 0
+        self.armed = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def new_run(self) -> None:
+        self.per_run = 0
+        self.armed.set()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.interval_s * self.rng.uniform(0.5, 1.5)):
+            if not self.armed.is_set() or self.per_run >= self.replicas - 1:
+                continue
+            alive = {pid: title for pid, title in replica_processes().items() if not title.endswith("__init__")}
+            if len(alive) < self.replicas:  # one is restarting: never leave the run without a replica
+                continue
+            pid = self.rng.choice(sorted(alive))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            self.kills.append(alive[pid].removeprefix("ray::ModelReplica").lstrip(".") or "idle")
+            self.per_run += 1
+
+
+def _workflows(model: str, doc: str) -> dict:
+    import aaflow as af
+
+    chain = af.Workflow("chain")
+    guide, prev = chain.context("guide", doc), None
+    for name in ("plan", "draft", "edit"):
+        prompt = [guide] + ([prev] if prev is not None else []) + [f"Step: {name}."]
+        prev = chain.agent(name, model, prompt, max_tokens=10, ignore_eos=True)
+    fan = af.Workflow("fan-out")
+    d = fan.context("doc", doc)
+    root = fan.agent("analyze", model, [d, "Analyze."], max_tokens=12, ignore_eos=True)
+    for i in range(4):
+        fan.agent(f"gen{i}", model, [d, root, f"Variant {i}."], max_tokens=8, ignore_eos=True)
+    mr = af.Workflow("map-reduce")
+    p = mr.context("paper", doc)
+    revs = [mr.agent(f"r{i}", model, [p, f"Review aspect {i}."], max_tokens=10, ignore_eos=True) for i in range(3)]
+    mr.agent("meta", model, [p, *revs, "Meta-review."], max_tokens=10, ignore_eos=True)
+    ab = af.Workflow("a-b")
+    g = ab.context("guide", doc)
+    for i in range(3):
+        a = ab.agent(f"A{i}", model, [f"Topic {i}: the ocean."], max_tokens=16, ignore_eos=True)
+        ab.agent(f"B{i}", model, [g, a, "Rewrite it."], max_tokens=8, ignore_eos=True)
+    return {"chain": chain, "fan_out": fan, "map_reduce": mr, "a_b": ab}
+
+
+def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: int, transports: list[str],
+          call_timeout_s: float, min_kills: int = 0) -> dict:
+    """Run the rounds under the killer, more (up to 3x) until `min_kills` kills; returns the report
+    (see the module docstring)."""
+    import aaflow as af
+
+    workflows = _workflows(model, doc)
+    expected = {name: {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+                for name, wf in workflows.items()}
+    plans = [("text", None), ("stream", None)] + [("transfer", t) for t in transports]
+    killer = Killer(len(cluster.replicas()), interval_s, seed)
+    killer.thread.start()
+    runs, identical, failures, longest = 0, 0, [], 0.0
+    try:
+        r = 0
+        while r < rounds or (len(killer.kills) < min_kills and r < 3 * rounds):
+            for name, wf in workflows.items():
+                strategy, transport = plans[(r + len(name)) % len(plans)]
+                killer.new_run()
+                t0 = time.perf_counter()
+                try:
+                    res = af.run(wf, cluster, strategy=strategy, transport=transport, call_timeout_s=call_timeout_s)
+                    identical += {n: a.token_ids for n, a in res.agents.items()} == expected[name]
+                except Exception as exc:  # noqa: BLE001 - every failure is reported
+                    failures.append(f"{name}/{strategy}/{transport}: {type(exc).__name__}: {exc}"[:400])
+                killer.armed.clear()
+                runs += 1
+                longest = max(longest, time.perf_counter() - t0)
+            r += 1
+            log(f"chaos round {r}: {len(killer.kills)} kills so far, {identical}/{runs} identical")
+    finally:
+        killer.stop.set()
+        killer.thread.join()
+    return {"runs": runs, "identical": identical, "failures": failures, "kills": len(killer.kills),
+            "kills_by_call": {k: killer.kills.count(k) for k in sorted(set(killer.kills))},
+            "longest_run_s": longest, "leftover": leftover_kv(cluster)}
+
+
+def leftover_kv(cluster, wait_s: float = 120.0) -> dict:
+    """Sessions, refs and used blocks still held per replica (restarting ones are waited for)."""
+    import ray
+
+    out, deadline = {}, time.monotonic() + wait_s
+    for r in cluster.replicas():
+        while True:
+            try:
+                stats = ray.get(r.actor.stats.remote(), timeout=wait_s)
+                sessions = ray.get(r.actor.session_count.remote(), timeout=wait_s)
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting after a kill
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        out[r.name] = {"sessions": sessions, "refs": stats["refs"], "used_blocks": stats["used_blocks"]}
+    return out
+
+
+def run(args) -> dict:
+    import aaflow as af
+    from benchmarks.scaling_bench import context_text
+    from cluster.transports import available_transports
+
+    if args.quick:
+        args.rounds = 3
+    transports = [t for t in ("ray", "nixl", "ucx") if t in available_transports()]
+    cluster = af.init(replicas={args.model: args.replicas}, dtype="float32", restarts=-1)
+    try:
+        report = chaos(cluster, args.model, context_text(args.doc_tokens), args.rounds, args.interval_s,
+                       args.seed, transports, args.call_timeout_s, min_kills=args.min_kills)
+    finally:
+        cluster.shutdown()
+    report.update({"benchmark": "chaos", "machine": machine_facts(), "transports": transports,
+                   "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}})
+    log(f"chaos: {report['kills']} kills {report['kills_by_call']}; {report['identical']}/{report['runs']} runs "
+        f"identical to text, {len(report['failures'])} failed; longest run {report['longest_run_s']:.1f} s; "
+        f"left over: {report['leftover']}")
+    write_json(args.out, report)
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="3 rounds")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8, help="each round runs the four workflows")
+    p.add_argument("--interval-s", type=float, default=2.0, help="mean seconds between kills")
+    p.add_argument("--doc-tokens", type=int, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-kills", type=int, default=20, help="more rounds (up to 3x) until this many kills")
+    p.add_argument("--call-timeout-s", type=float, default=120.0)
+    p.add_argument("--out", default="results/chaos.json")

@@ -1,0 +1,25 @@
+"""Chaos, short form (`aaflow bench chaos` is the long one): replica processes SIGKILLed at random
+moments while workflows run under text, stream and transfer over each installed transport; every
+run gives text's tokens and no KV is left behind. The replicas restart (Ray) after each kill."""
+
+from __future__ import annotations
+
+import aaflow as af
+from benchmarks.chaos_bench import chaos, replica_processes
+from cluster.transports import available_transports
+
+
+def test_workflows_survive_random_replica_kills_with_texts_tokens(tiny_llama_dir):
+    model = str(tiny_llama_dir)
+    cluster = af.init(replicas={model: 3}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20, restarts=-1)
+    try:
+        assert len(replica_processes()) == 3
+        transports = [t for t in ("ray", "nixl", "ucx") if t in available_transports()]
+        doc = "Replicas die; the lineage stays. " * 6
+        report = chaos(cluster, model, doc, rounds=3, interval_s=0.4, seed=1, transports=transports,
+                       call_timeout_s=60, min_kills=5)
+    finally:
+        cluster.shutdown()
+    assert report["kills"] >= 5, report
+    assert report["failures"] == [] and report["identical"] == report["runs"], report
+    assert all(v == {"sessions": 0, "refs": 0, "used_blocks": 0} for v in report["leftover"].values()), report
