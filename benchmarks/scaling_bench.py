@@ -11,8 +11,9 @@ inside each repeat, prefix caches cleared before every run):
     before and after the run; the replicas are local Ray actors, so this is their real CPU use,
     decode included);
   * latency: `res.wall_s`; throughput: workflows per minute = 60 / wall_s (one workflow at a time).
-Ratios text / strategy for compute and strategy / text for throughput, next to AAFLOW+'s modeled
-figures at 16 agents (7.63x less compute, 7.74x throughput).
+Ratios text / strategy for compute and strategy / text for throughput (`text`: prefix cache on),
+and the same against `text-nocache` (`*_vs_nocache_x`: AAFLOW+'s baseline, text passing with no
+KV reuse), next to AAFLOW+'s modeled figures at 16 agents (7.63x less compute, 7.74x throughput).
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ def run(args) -> dict:
                                                         / max(1, row[s]["engine_tokens_computed"]))
                 row[s]["cpu_reduction_x"] = row["text"]["cpu_s"] / max(1e-9, row[s]["cpu_s"])
                 row[s]["throughput_x"] = row[s]["workflows_per_min"] / row["text"]["workflows_per_min"]
+                if "text-nocache" in row:  # AAFLOW+ exp2's baseline: text passing with no KV reuse
+                    nocache = row["text-nocache"]
+                    row[s]["engine_compute_reduction_vs_nocache_x"] = (nocache["engine_tokens_computed"]
+                                                                       / max(1, row[s]["engine_tokens_computed"]))
+                    row[s]["throughput_vs_nocache_x"] = row[s]["workflows_per_min"] / nocache["workflows_per_min"]
             report["rows"][str(n)] = row
             log(f"{n:>2} agents: " + "; ".join(
                 f"{s} {row[s]['prefill_computed']:.0f}/{row[s]['engine_tokens_computed']:.0f} tok {row[s]['cpu_s']:.1f} cpu-s {row[s]['wall_s']:.1f} s"
@@ -175,7 +181,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="1, 4, 16 agents, 2,048-token context, 1 repeat")
     p.add_argument("--agents", type=int, nargs="+", default=None, help="default 1 2 4 8 16")
     p.add_argument("--context", type=int, default=None, help="shared context tokens (default 4096)")
-    p.add_argument("--strategies", nargs="+", default=["text", "auto", "transfer+stream"],
+    p.add_argument("--strategies", nargs="+", default=["text", "text-nocache", "auto", "transfer+stream"],
                    help="add /no-lend to a name (auto/no-lend) to run it without lending idle cores")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens each agent generates (ignore_eos)")
     add_dtype_argument(p)
