@@ -67,14 +67,20 @@ def _join(address: str | None) -> tuple[str, bool]:
     return address, owns
 
 
-def _record(address: str):
+def _record(address: str | None):
+    """Join the cluster and read its deployment: (record actor, its state, whether Ray started here).
+    Raises `DeploymentError` (leaving Ray as it found it) when there is none."""
     import ray
 
+    address, owns = _join(address)
     try:
-        return ray.get_actor(RECORD_NAME, namespace=DEPLOYMENT_NAMESPACE)
+        record = ray.get_actor(RECORD_NAME, namespace=DEPLOYMENT_NAMESPACE)
     except ValueError:
+        if owns:
+            ray.shutdown()
         raise DeploymentError(f"no aaflow deployment on the Ray cluster at {address}; start one with "
                               f"`aaflow up --address {address} --replicas MODEL=N`") from None
+    return record, ray.get(record.get.remote()), owns
 
 
 def up(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:
@@ -90,12 +96,16 @@ def up(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluste
             name=RECORD_NAME, namespace=DEPLOYMENT_NAMESPACE, lifetime="detached", num_cpus=0).remote()
         ray.get(record.get.remote())
     except ValueError:
+        if owns:
+            ray.shutdown()
         raise DeploymentError(f"an aaflow deployment already runs on {address}: see `aaflow status --address "
                               f"{address}`, or remove it with `aaflow down --address {address}` first") from None
     try:
         cluster = Cluster(replicas, address=address, detached=True, **kwargs)
     except BaseException:
         ray.kill(record)
+        if owns:
+            ray.shutdown()
         raise
     options = {k: v for k, v in kwargs.items() if isinstance(v, (str, int, float, bool, type(None)))}
     ray.get(record.set.remote(cluster.replicas(), cluster.info, cluster.placement, options))
@@ -106,10 +116,7 @@ def connect(address: str | None = None) -> Cluster:
     """The running deployment on the Ray cluster at `address` (or RAY_ADDRESS), as the `Cluster`
     object `af.init` returns. `shutdown()` on it disconnects; the deployment keeps running.
     Raises `DeploymentError` when the cluster cannot be reached or holds no deployment."""
-    import ray
-
-    address, owns = _join(address)
-    state = ray.get(_record(address).get.remote())
+    _, state, owns = _record(address)
     return Cluster.attach(state["replicas"], state["info"], owns_ray=owns, placement=state["placement"])
 
 
@@ -137,13 +144,18 @@ def down(address: str | None = None) -> list[str]:
     placement group and its record. Returns the names of the replicas stopped."""
     import ray
 
-    address, owns = _join(address)
-    record = _record(address)
-    state = ray.get(record.get.remote())
-    cluster = Cluster.attach(state["replicas"], state["info"], owns_ray=owns, placement=state["placement"])
+    record, state, owns = _record(address)
+    cluster = Cluster.attach(state["replicas"], state["info"], placement=state["placement"])
     names = [r.name for r in cluster.replicas()]
     cluster.terminate()
     ray.kill(record)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the name is released once the record is dead: `up` may follow at once
+        try:
+            ray.get_actor(RECORD_NAME, namespace=DEPLOYMENT_NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.2)
     if owns:
         ray.shutdown()
     return names
