@@ -14,7 +14,10 @@ Prometheus format and shown on the Ray dashboard), tagged with the replica and m
     aaflow_queue_depth            gauge    agent sessions open on the replica, from every client
     aaflow_busy_seconds           counter  seconds spent in calls
 
-Gauges are refreshed at most every `REFRESH_S` seconds (and on every `usage()`).
+Gauges are computed at most every `REFRESH_S` seconds during calls (and on every `usage()`); a
+daemon thread sets their last values again every `RESEND_S` seconds, because Ray exports a gauge
+only in the report interval after it was set, and an idle replica still holds its KV. The thread
+touches no engine state, only the values the actor's own thread computed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import functools
 import time
 
 REFRESH_S = 0.25
+RESEND_S = 1.0
 _QUIET = frozenset({"usage", "info", "stats"})  # read-only calls: not counted as busy time
 
 
@@ -72,8 +76,22 @@ class _Metrics:
             ("prefill_tokens_reused", "prompt tokens served by the prefix cache"),
             ("busy_seconds", "seconds the replica spent in calls"))}
 
-    def set(self, name: str, value: float) -> None:
-        self.gauges[name].set(float(value), tags=self.tags)
+    def set(self, values: dict[str, float]) -> None:
+        """Set the gauges (and keep the values for `resend`)."""
+        self.last = values
+        for name, value in values.items():
+            self.gauges[name].set(float(value), tags=self.tags)
+
+    def start_resending(self) -> None:
+        import threading
+
+        def resend() -> None:
+            while True:
+                time.sleep(RESEND_S)
+                self.set(self.last)
+
+        self.last: dict[str, float] = {}
+        threading.Thread(target=resend, name="aaflow-metrics", daemon=True).start()
 
     def add(self, name: str, value: float) -> None:
         if value > 0:
@@ -96,6 +114,7 @@ class Observed:
                          "block_bytes": info.get("bytes_per_token", 0) * info.get("block_size", 16)}
             try:
                 self._metrics = _Metrics({"replica": self.name, "model": str(self.model)})
+                self._metrics.start_resending()
             except Exception:  # noqa: BLE001 - outside a Ray worker there is nothing to export to
                 self._metrics = None
         return self._obs
@@ -136,8 +155,7 @@ class Observed:
                "prefill_tokens_reused": stats.get("tokens_reused", 0),
                "kv_bytes_moved": obs["moved"], "busy_s": obs["busy_s"], "calls": obs["calls"]}
         if self._metrics is not None:
-            for name in ("kv_bytes_held", "kv_bytes_pinned", "kv_bytes_evictable", "queue_depth"):
-                self._metrics.set(name, out[name])
+            self._metrics.set({name: out[name] for name in self._metrics.gauges})
             self._metrics.add("prefill_tokens_computed", out["prefill_tokens_computed"] - obs["computed"])
             self._metrics.add("prefill_tokens_reused", out["prefill_tokens_reused"] - obs["reused"])
             obs["computed"], obs["reused"] = out["prefill_tokens_computed"], out["prefill_tokens_reused"]

@@ -210,26 +210,30 @@ def test_replica_metrics_reach_prometheus(head, deployment, model):
     a, b = deployment.replicas()
     kv = af.materialize(deployment, model, list(range(40, 240)), replica=a)
     moved = af.transfer(kv, b)
-    af.free(kv), af.free(moved)
+    af.free(kv)
+    af.free(moved)
     af.status(deployment)  # refreshes every gauge
     wanted = ["ray_aaflow_kv_bytes_held", "ray_aaflow_kv_bytes_pinned", "ray_aaflow_kv_bytes_evictable",
               "ray_aaflow_queue_depth", "ray_aaflow_kv_bytes_moved_total", "ray_aaflow_prefill_tokens_computed_total",
               "ray_aaflow_prefill_tokens_reused_total", "ray_aaflow_busy_seconds_total"]
+    names = {a.name, b.name}
     values: dict[str, float] = {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(head.metrics, timeout=10).read().decode()
         values = {}
         for line in text.splitlines():
-            name = line.split("{")[0]
-            if name in wanted and f'replica="{b.name}"' in line:
+            name, _, rest = line.partition("{")
+            replica = re.search(r'replica="([^"]*)"', rest)
+            if name in wanted and replica and replica.group(1) in names:
                 values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        if set(values) == set(wanted) and values["ray_aaflow_kv_bytes_moved_total"] > 0:
+        if set(values) == set(wanted) and values["ray_aaflow_kv_bytes_moved_total"] >= moved.nbytes:
             break
         time.sleep(1)
     assert set(values) == set(wanted), f"missing from {head.metrics}: {sorted(set(wanted) - set(values))}"
     assert values["ray_aaflow_kv_bytes_moved_total"] >= moved.nbytes
-    assert values["ray_aaflow_busy_seconds_total"] > 0 and values["ray_aaflow_prefill_tokens_computed_total"] > 0
+    for name in ("busy_seconds_total", "prefill_tokens_computed_total", "prefill_tokens_reused_total"):
+        assert values[f"ray_aaflow_{name}"] > 0, values
 
 
 def test_down_removes_the_deployment(head, deployment):
