@@ -51,6 +51,20 @@ def _address(address: str | None) -> str:
     return address
 
 
+def _check_listening(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast where nothing listens at a "host:port" address (Ray would retry for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and the like: Ray resolves them
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise DeploymentError(f"nothing answers at {address} ({exc}); start a Ray cluster with `ray start --head "
+                              "--node-ip-address=127.0.0.1` and pass the address it prints") from None
+
+
 def _join(address: str | None) -> tuple[str, bool]:
     """Join the Ray cluster at `address` (or RAY_ADDRESS); returns it and whether this call started Ray here."""
     import ray
@@ -58,6 +72,7 @@ def _join(address: str | None) -> tuple[str, bool]:
     from cluster.actors import start_ray
 
     address = _address(address)
+    _check_listening(address)
     owns = not ray.is_initialized()
     try:
         start_ray(address=address)

@@ -83,6 +83,12 @@ def test_connect_without_a_deployment_names_the_fix(head):
         af.connect(head.address)
     out = cli(head, "status", "--address", head.address, check=False)
     assert out.returncode == 2 and "no aaflow deployment" in out.stderr
+    from tests.ray_head import free_ports
+
+    with pytest.raises(af.DeploymentError, match="nothing answers at"):
+        af.connect(f"127.0.0.1:{free_ports(1)[0]}")
+    with pytest.raises(af.DeploymentError, match="no Ray address"):
+        af.connect()  # and no RAY_ADDRESS
 
 
 def readme_deploy_commands() -> list[str]:
