@@ -32,15 +32,12 @@ class DeploymentRecord:
         self.replicas: list[ReplicaHandle] = []
         self.info: dict = {}
         self.placement = None
-        self.started_s = time.time()
-        self.options: dict = {}
 
-    def set(self, replicas: list[ReplicaHandle], info: dict, placement, options: dict) -> None:
-        self.replicas, self.info, self.placement, self.options = list(replicas), dict(info), placement, dict(options)
+    def set(self, replicas: list[ReplicaHandle], info: dict, placement) -> None:
+        self.replicas, self.info, self.placement = list(replicas), dict(info), placement
 
     def get(self) -> dict:
-        return {"replicas": self.replicas, "info": self.info, "placement": self.placement,
-                "started_s": self.started_s, "options": self.options}
+        return {"replicas": self.replicas, "info": self.info, "placement": self.placement}
 
 
 def _address(address: str | None) -> str:
@@ -122,8 +119,7 @@ def up(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluste
         if owns:
             ray.shutdown()
         raise
-    options = {k: v for k, v in kwargs.items() if isinstance(v, (str, int, float, bool, type(None)))}
-    ray.get(record.set.remote(cluster.replicas(), cluster.info, cluster.placement, options))
+    ray.get(record.set.remote(cluster.replicas(), cluster.info, cluster.placement))
     return Cluster.attach(cluster.replicas(), cluster.info, owns_ray=owns)
 
 

@@ -31,13 +31,18 @@ def free_ports(n: int) -> list[int]:
 
 def client_env(**extra: str) -> dict[str, str]:
     """The environment for Ray, the CLI and client processes: this checkout first on PYTHONPATH,
-    this interpreter's bin first on PATH (its `ray`, `aaflow`), loopback, token auth off (Ray
-    turns it on when ~/.ray/auth_token exists, and `ray job submit` would then need the token)."""
+    this interpreter's bin first on PATH (its `ray`, `aaflow`), loopback. Token authentication as
+    this process has it (a process's auth mode cannot be changed once Ray ran in it): Ray turns it
+    on where ~/.ray/auth_token exists, for the head and for drivers, but `ray job submit` sends the
+    token only with RAY_AUTH_MODE=token (as the README says), so that is set where a token exists."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", RAY_metrics_report_interval_ms="1000",
-               HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", **extra)
+    token = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if "RAY_AUTH_MODE" not in env and (token.exists() or env.get("RAY_AUTH_TOKEN")):
+        env["RAY_AUTH_MODE"] = "token"
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000", HF_HUB_OFFLINE="1",
+               RAY_USAGE_STATS_ENABLED="0", **extra)
     env.pop("RAY_ADDRESS", None)
     return env
 

@@ -58,19 +58,22 @@ def doc_blocks_tokens(model: str, doc: str = DOC, block: int = 16) -> int:
 def head(tmp_path_factory):
     import ray
 
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    # what Ray itself does before starting a local cluster: token auth on where a token exists
+    # (ray start does the same for the head; tests/ray_head.py passes the mode to every client)
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    saved = os.environ.pop("RAY_ADDRESS", None)
     try:
         h = start_head(tmp_path_factory.mktemp("ray"))
     except RuntimeError as exc:
         pytest.skip(f"cannot start a Ray head with its dashboard (Ray Jobs) here: {exc}")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # as the head (see tests/ray_head.py)
-    os.environ.pop("RAY_ADDRESS", None)
     yield h
     if ray.is_initialized():
         ray.shutdown()
     h.stop()
-    for k, v in saved.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    if saved is not None:
+        os.environ["RAY_ADDRESS"] = saved
 
 
 @pytest.fixture(scope="module")
