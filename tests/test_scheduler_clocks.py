@@ -30,7 +30,8 @@ class Recording(Backend):
         return self.inner.now()
 
     def submit(self, replica, call):
-        self.calls.append((replica, call.kind.name, tuple(call.sessions), call.tokens))
+        sessions = tuple(sid.split("/", 1)[1] for sid in call.sessions)  # without the run id
+        self.calls.append((replica, call.kind.name, sessions, call.tokens))
         return self.inner.submit(replica, call)
 
     def wait(self, tickets, num_returns, timeout_s):
