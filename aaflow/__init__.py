@@ -58,6 +58,12 @@ _EXPORTS = {
     "plan": "aaflow.planning",
     "calibrate": "aaflow.calibration",
     "CostModelError": "aaflow.errors",
+    "DeploymentError": "aaflow.errors",
+    "up": "cluster.deployment",
+    "connect": "cluster.deployment",
+    "down": "cluster.deployment",
+    "status": "cluster.deployment",
+    "submit": "aaflow.submission",
     "HardwareProfile": "costmodel.hardware",
     "load_hardware": "costmodel.hardware",
 }

@@ -73,7 +73,24 @@ def transfer(kv, destination, *args, **kwargs):
 fork = _dispatch("fork")
 evict = _dispatch("evict")
 free = _dispatch("free")
-pin = _dispatch("pin")
+_pin_ref = _dispatch("pin")
+
+
+def pin(target, *args, **kwargs):
+    """Keep KV resident under eviction pressure, for `ttl_s` seconds or until `af.unpin`.
+
+    `pin(kv, ttl_s=None)` pins a KVRef (local or cluster); `pin(cluster, text, ttl_s=..., model=,
+    system=)` pins a document on every replica of the model as the start of an agent prompt, so
+    that workflows from any client reuse its KV until the pin expires (`cluster.pins`); it
+    returns the pinned refs."""
+    from cluster.cluster import Cluster
+
+    if isinstance(target, Cluster):
+        from cluster.pins import pin_context
+
+        return pin_context(target, *args, **kwargs)
+    return _pin_ref(target, *args, **kwargs)
+
 unpin = _dispatch("unpin")
 
 

@@ -1,4 +1,5 @@
-"""The `aaflow` command line: demo, chat, run, plan, calibrate, fetch-model, bench."""
+"""The `aaflow` command line: demo, chat, run, plan, calibrate, fetch-model, bench; up, status, down, submit
+(`aaflow.cli_deploy`)."""
 
 from __future__ import annotations
 
@@ -306,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_all = bench_sub.add_parser("all", help="every benchmark with its defaults")
     bench_all.add_argument("--quick", action="store_true", help="pass --quick to every benchmark that has it")
     bench_all.set_defaults(func=_bench)
+
+    from aaflow.cli_deploy import add_deploy_commands
+
+    add_deploy_commands(sub)
     return parser
 
 

@@ -91,3 +91,7 @@ class KVComposeError(AAFlowError, ValueError):
 
 class CostModelError(AAFlowError, ValueError):
     """A cost-model input is invalid: a unit string, a hardware profile, or a model with no timing data."""
+
+
+class DeploymentError(AAFlowError, RuntimeError):
+    """No aaflow deployment where one was asked for (or one already there for `aaflow up`)."""

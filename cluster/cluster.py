@@ -22,12 +22,14 @@ class ReplicaHandle:
     model: str
     actor: Any
     engine: str = "builtin"  # or "vllm"
+    cpus: float = 1.0  # the CPU share reserved for it
 
     def __repr__(self) -> str:
         return f"ReplicaHandle({self.name!r}, model={self.model!r}, engine={self.engine!r})"
 
 
 ENGINES = tuple(REPLICAS)
+DEPLOYMENT_NAMESPACE = "aaflow"  # the Ray namespace of a long-lived deployment's named actors (`aaflow up`)
 
 
 def engine_per_model(replicas: dict[str, int], engine: str = "builtin", engines: dict[str, str] | None = None) -> dict[str, str]:
@@ -58,30 +60,35 @@ class Cluster:
     to built-in replicas only. vLLM wants a core of its own: give it one CPU share per replica.
     `dtype="auto"` is resolved once, here, so that every built-in replica holds the same KV format
     (bf16 where this CPU has native bf16, else fp32: `aaflow.engine.dtypes`); vLLM replicas get bf16.
+    `detached=True` (what `aaflow up` uses) names the replica actors `replica:<name>` in the Ray
+    namespace `aaflow` and lets them and their placement group outlive this process.
     """
 
     def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "auto",
                  num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
                  placement_strategy: str = "PACK", engine: str = "builtin", engines: dict[str, str] | None = None,
-                 vllm_options: dict | None = None, restarts: int = 0, **engine_kwargs) -> None:
+                 vllm_options: dict | None = None, restarts: int = 0, detached: bool = False,
+                 **engine_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from aaflow.engine.dtypes import resolve_dtype
         from cluster.actors import start_ray
+        from cluster.observed import observed
 
         if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas.values()):
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
         kinds = engine_per_model(replicas, engine, engines)  # before Ray starts: vLLM missing fails here
         dtypes = {"builtin": resolve_dtype(dtype), "vllm": "bfloat16" if dtype == "auto" else dtype}
-        self._pg = None
+        self._pg, self._attached = None, False
         self._owns_ray = not ray.is_initialized() and address is None
         start_ray(address=address, num_cpus=num_cpus)
+        lifetime = {"lifetime": "detached"} if detached else {}
         total = sum(replicas.values())
         cpus = float(ray.available_resources().get("CPU", 1))
         per_replica = max(0.01, min(1.0, cpus / total))
-        self._pg = placement_group([{"CPU": per_replica}] * total, strategy=placement_strategy)
+        self._pg = placement_group([{"CPU": per_replica}] * total, strategy=placement_strategy, **lifetime)
         ready, _ = ray.wait([self._pg.ready()], timeout=placement_timeout_s)
         if not ready:
             remove_placement_group(self._pg)
@@ -95,7 +102,7 @@ class Cluster:
 
             builtin = sum(n for m, n in replicas.items() if kinds[m] == "builtin")
             engine_kwargs["kv_cache_bytes"] = default_kv_cache_bytes(builtin)  # as if they shared this machine
-        actor_cls = {kind: ray.remote(replica_class(kind)) for kind in set(kinds.values())}
+        actor_cls = {kind: ray.remote(observed(replica_class(kind))) for kind in set(kinds.values())}
         self._replicas: list[ReplicaHandle] = []
         self._closed = False
         index = 0
@@ -103,11 +110,12 @@ class Cluster:
             for i in range(count):
                 name = f"{model}-{i}"
                 kwargs = engine_kwargs if kinds[model] == "builtin" else dict(vllm_options or {})
+                named = {"name": f"replica:{name}", "namespace": DEPLOYMENT_NAMESPACE, **lifetime} if detached else {}
                 actor = actor_cls[kinds[model]].options(
-                    num_cpus=per_replica, max_concurrency=1, max_restarts=restarts,
+                    num_cpus=per_replica, max_concurrency=1, max_restarts=restarts, **named,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=index),
                 ).remote(name, model, dtype=dtypes[kinds[model]], threads=threads, **kwargs)
-                self._replicas.append(ReplicaHandle(name, model, actor, kinds[model]))
+                self._replicas.append(ReplicaHandle(name, model, actor, kinds[model], per_replica))
                 index += 1
         infos = [r.actor.info.remote() for r in self._replicas]
         ready, pending = ray.wait(infos, num_returns=len(infos), timeout=load_timeout_s)
@@ -120,6 +128,15 @@ class Cluster:
             self.shutdown()
             raise ClusterError(f"a replica failed to start: {exc}") from exc
 
+    @classmethod
+    def attach(cls, handles: list[ReplicaHandle], info: dict, owns_ray: bool = False, placement=None) -> "Cluster":
+        """The cluster object of replicas that already run (a deployment's: see `af.connect`).
+        Its `shutdown()` only disconnects (Ray too, when `owns_ray`); `terminate()` stops them."""
+        self = cls.__new__(cls)
+        self._replicas, self.info, self._pg = list(handles), dict(info), placement
+        self._owns_ray, self._attached, self._closed = owns_ray, True, False
+        return self
+
     def replicas(self, model: str | None = None) -> list[ReplicaHandle]:
         """Replica handles, all or those serving `model`."""
         if self._closed:
@@ -127,11 +144,28 @@ class Cluster:
         return [r for r in self._replicas if model is None or r.model == model]
 
     @property
+    def placement(self):
+        """The placement group reserving the replicas' CPUs (None once shut down)."""
+        return self._pg
+
+    @property
     def models(self) -> set[str]:
         return {r.model for r in self._replicas}
 
     def shutdown(self) -> None:
-        """Stop the replicas and, if `af.init` started Ray, Ray itself."""
+        """Stop the replicas and, if `af.init` started Ray, Ray itself. A cluster from `af.connect`
+        only disconnects: the deployment's replicas keep running for other clients."""
+        import ray
+
+        if not self._attached:
+            self.terminate()
+        self._replicas, self._closed = [], True
+        if self._owns_ray:
+            ray.shutdown()
+
+    def terminate(self) -> None:
+        """Stop the replicas and release their placement group, started here or attached to
+        (`aaflow down`); Ray keeps running."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -146,8 +180,6 @@ class Cluster:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
-        if self._owns_ray:
-            ray.shutdown()
 
 
 def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:

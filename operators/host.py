@@ -146,6 +146,27 @@ class KVHost:
     def unpin(self, ref: KVRef) -> None:
         self._entry(ref).pinned_until = None
 
+    def release_expired(self) -> list[str]:
+        """Evict every ref whose pin's TTL has run out (its blocks go to the prefix cache, where the
+        pool may reuse or drop them; the ref rebuilds on next use); returns their ids."""
+        now = time.monotonic()
+        expired = [e for e in self._entries.values()
+                   if e.pinned_until is not None and e.pinned_until != float("inf") and now >= e.pinned_until]
+        for entry in expired:
+            entry.pinned_until = None
+            self.evict(entry.ref)
+        return [e.ref.id for e in expired]
+
+    def pinned_bytes(self) -> int:
+        """KV bytes of resident refs pinned now."""
+        now = time.monotonic()
+        return sum(e.ref.nbytes for e in self._entries.values() if e.seq_id is not None and e.pinned(now))
+
+    def evictable_bytes(self) -> int:
+        """KV bytes of resident refs not pinned (budget eviction may drop them)."""
+        now = time.monotonic()
+        return sum(e.ref.nbytes for e in self._entries.values() if e.seq_id is not None and not e.pinned(now))
+
     def used_bytes(self) -> int:
         return self.engine.stats().used * self.spec.bytes_per_block
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -191,6 +193,25 @@ def test_pin_with_ttl_expires(make_engine, tiny_llama_dir):
     af.pin(kv, ttl_s=0.0)  # an agent's tool call that already timed out
     af.materialize(host, [1] * 64)
     assert not host.is_resident(kv)
+    host.close()
+
+
+def test_expired_pins_are_released_into_the_prefix_cache(make_engine, tiny_llama_dir):
+    """Without a budget: a pin keeps its blocks in use until its TTL runs out; `release_expired`
+    then evicts the ref (its blocks stay cached for reuse) and it rebuilds on its next use."""
+    engine = make_engine(tiny_llama_dir, num_blocks=64)
+    host = KVHost(engine)
+    kv, other = af.materialize(host, DOC), af.materialize(host, [3] * 40)
+    af.pin(kv, ttl_s=0.3)
+    af.pin(other)  # no TTL: pinned until unpinned
+    assert host.pinned_bytes() == kv.nbytes + other.nbytes and host.evictable_bytes() == 0
+    assert host.release_expired() == []
+    time.sleep(0.35)
+    assert host.release_expired() == [kv.id]
+    assert not host.is_resident(kv) and host.is_resident(other) and host.pinned_bytes() == other.nbytes
+    assert engine.stats().cached >= len(DOC) // engine.kv_layout.block_size, "released blocks stay cached"
+    assert af.generate(kv, QUESTION, max_new_tokens=2).token_ids  # rebuilt from lineage
+    assert host.evictable_bytes() == kv.nbytes
     host.close()
 
 

@@ -58,7 +58,7 @@ def _check_sizes(wf, builders, limits, cluster=None) -> None:
 
 
 def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
-        transport: str | None = None, plan=None, lend_cores: bool = True) -> RunResult:
+        transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None) -> RunResult:
     """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
 
     Args:
@@ -75,6 +75,8 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
             documented rule and says so in `events`.
         lend_cores: a long prefill sent while the other built-in replicas of its node idle runs
             on their threads too (`aaflow.runtime.core_lending`; each loan is in `events`).
+        on_token: called as `on_token(agent, token_id)` for each token as it is decoded (streaming).
+        on_agent: called as `on_agent(agent, text)` as each agent finishes.
     """
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
@@ -98,6 +100,7 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
 
     agents = workflow_agents(workflow, builders, strategy, decisions)
     result = execute(workflow, agents, RayBackend(cluster), builders, eos, strategy, events, chunk_tokens=chunk_tokens,
-                     call_timeout_s=call_timeout_s, transport=transport, lend_cores=lend_cores)
+                     call_timeout_s=call_timeout_s, transport=transport, lend_cores=lend_cores, on_token=on_token,
+                     on_agent=on_agent)
     result.planning_s = planning_s
     return result

@@ -51,9 +51,15 @@ def _composed_parts(workflow, node: AgentNode, builder, segments) -> tuple[int, 
 
 
 def execute(workflow, agents: dict[str, AgentState], backend, builders: dict, eos: dict[str, set[int]],
-            strategy: str, events: list[str], **options) -> RunResult:
-    """Run the agents through the scheduler on `backend`; `options` go to `Scheduler`."""
-    scheduler = Scheduler(agents, backend, eos, **options)
+            strategy: str, events: list[str], on_token=None, on_agent=None, **options) -> RunResult:
+    """Run the agents through the scheduler on `backend`; `options` go to `Scheduler`.
+    `on_token(name, token_id)` sees each agent's tokens as they are decoded, `on_agent(name, text)`
+    each agent's text as it finishes."""
+    def done(name: str) -> None:
+        agent = agents[name]
+        on_agent(name, builders[agent.model].tokenizer.decode(agent.output, skip_special_tokens=True))
+
+    scheduler = Scheduler(agents, backend, eos, on_token=on_token, on_done=done if on_agent else None, **options)
     scheduler.events.extend(events)
     scheduler.run()
     for agent in agents.values():

@@ -42,8 +42,9 @@ class Scheduler:
 
     def __init__(self, agents: dict[str, AgentState], backend: Backend, eos: dict[str, set[int]],
                  chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
-                 lend_cores: bool = True) -> None:
+                 lend_cores: bool = True, on_token=None, on_done=None) -> None:
         self.agents, self.backend, self.eos = agents, backend, eos
+        self.on_token, self.on_done = on_token, on_done  # (agent name, token id) / (agent name): streaming
         self.chunk_tokens, self.call_timeout_s = max(1, chunk_tokens), call_timeout_s
         self.events: list[str] = []
         self.dead: set[str] = set()
@@ -209,6 +210,8 @@ class Scheduler:
         is_eos = not agent.ignore_eos and token in self.eos[agent.model]
         if not is_eos:
             agent.output.append(token)
+            if self.on_token is not None:
+                self.on_token(agent.name, token)
         if not is_eos and r.decoded < agent.max_tokens:
             for consumer in self.streaming_readers[agent.name]:  # the others wait for it to finish
                 self.advance(consumer)
@@ -219,6 +222,8 @@ class Scheduler:
         self.decoding[agent.replica].remove(agent)
         self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
         self.admission.release(agent)
+        if self.on_done is not None:
+            self.on_done(agent.name)
         for consumer in self.readers[agent.name]:
             if consumer.state == "new" and self.inputs_done(consumer):
                 self.open(consumer)
