@@ -19,4 +19,5 @@ def fork(kv: KVRef, n: int = 2) -> list[KVRef]:
     host = check_ref(kv, "fork").host
     seq = host.sequence(kv)
     lineage = Lineage("fork", (kv.id,)) if kv.lineage else None
-    return [host.register(host.engine.fork(seq), lineage, kv.fidelity) for _ in range(n)]
+    forks = [host.engine.fork(seq) for _ in range(n)]  # all before registering: a budget may evict kv
+    return [host.register(f, lineage, kv.fidelity) for f in forks]

@@ -113,6 +113,7 @@ class Workflow:
         """A static context (document, guide, shared instructions)."""
         if not isinstance(text, str) or not text:
             raise WorkflowError(f"context {name!r}: text must be a non-empty string, got {text!r:.40}")
+        _check_unicode(f"context {name!r}", text)
         return self._add(ContextNode(name, text), "context")
 
     def agent(self, name: str, model: str, prompt: list, system: str | None = None, max_tokens: int = 64,
@@ -144,9 +145,10 @@ class Workflow:
 
     def _part(self, owner: str, part) -> Union[str, Ref]:
         if isinstance(part, str):
+            _check_unicode(f"node {owner!r}", part)
             return part
         if isinstance(part, Ref):
-            if part.name not in self.nodes:
+            if not isinstance(part.name, str) or part.name not in self.nodes:
                 raise WorkflowError(f"node {owner!r} refers to unknown node {part.name!r}")
             return part
         raise WorkflowError(f"node {owner!r}: a prompt part must be a string or a node handle, got {type(part).__name__}")
@@ -187,7 +189,12 @@ class Workflow:
         return order
 
     def validate(self, served_models: set[str] | None = None) -> None:
-        """Check the graph before anything runs: cycles, unknown references, unserved models."""
+        """Check the graph before anything runs: prompt parts, cycles, unknown references, unserved models."""
+        for agent in self.agents():
+            for part in agent.prompt:
+                if not (isinstance(part, str) or isinstance(part, Ref) and isinstance(part.name, str)):
+                    raise WorkflowError(f"agent {agent.name!r}: prompt part {part!r:.60} is neither a string nor a "
+                                        "node handle; build prompts with wf.context / wf.agent handles")
         self.topological_order()
         if not self.agents():
             raise WorkflowError(f"workflow {self.name!r} has no agents")
@@ -200,6 +207,15 @@ class Workflow:
                     )
 
 
+def _check_unicode(owner: str, text: str) -> None:
+    """`WorkflowError` for text no tokenizer can encode (unpaired surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise WorkflowError(f"{owner}: the text is not valid unicode ({exc.reason} at character {exc.start}); "
+                            "remove unpaired surrogates") from exc
+
+
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -210,6 +226,8 @@ def _check_agent_settings(name, model, system, max_tokens, temperature, top_p, s
         raise WorkflowError(f"agent {name!r}: model must be a served model's name (a non-empty string), got {model!r}")
     if system is not None and not isinstance(system, str):
         raise WorkflowError(f"agent {name!r}: system must be a string or None, got {type(system).__name__}")
+    if system is not None:
+        _check_unicode(f"agent {name!r}'s system prompt", system)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise WorkflowError(f"agent {name!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
     if not _is_number(temperature) or temperature < 0:

@@ -28,7 +28,7 @@ _AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p"
 
 
 def _unknown(where: str, given: dict, allowed: set[str]) -> None:
-    extra = sorted(set(given) - allowed)
+    extra = sorted(set(given) - allowed, key=repr)  # YAML keys may be numbers, booleans or null
     if extra:
         raise WorkflowError(f"{where}: unknown key {extra[0]!r} (allowed: {', '.join(sorted(allowed))})")
 
