@@ -19,6 +19,7 @@ BENCHMARKS = {
     "overhead": "benchmarks.overhead_bench",
     "consistency": "benchmarks.consistency_bench",
     "workflows": "benchmarks.workflows_bench",
+    "fuzz": "benchmarks.fuzz_bench",
 }
 
 DTYPE_ARG = ["auto", "bfloat16", "float32"]

@@ -25,6 +25,7 @@ class KVImportExport:
         `cacheable=False` marks approximate KV, which must never serve prefix-cache hits.
         """
         self._check_model(export.fingerprint)
+        self._check_token_ids(export.token_ids)
         if not isinstance(export.kv, torch.Tensor):
             raise KVImportError(f"imported KV must be a torch.Tensor, got {type(export.kv).__name__}")
         lay = self.layout
@@ -56,8 +57,19 @@ class KVImportExport:
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
 
+    def check_room(self, num_tokens: int) -> None:
+        """Raise before anything is allocated if `num_tokens` of imported KV cannot fit: beyond the
+        model's positions (`KVImportError`) or the pool's free blocks (`KVCapacityError`)."""
+        limit = self.model.config.max_position_embeddings
+        if num_tokens > limit:
+            raise KVImportError(f"incoming KV of {num_tokens} tokens is beyond the model's {limit} positions; "
+                                "the descriptor is damaged or forged")
+        self.blocks.check_capacity(self.blocks.blocks_needed(0, num_tokens))
+
     def _check_token_ids(self, token_ids) -> None:
         vocab = self.model.config.vocab_size
+        if not isinstance(token_ids, (list, tuple)):
+            raise KVImportError(f"imported KV's token ids must be a list of ints, got {type(token_ids).__name__}")
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise KVImportError(f"imported KV's token ids {bad[:5]!r} are not ids of this model's vocabulary "
