@@ -79,6 +79,12 @@ class TransferEndpoint:
         `release`, so the ref may be freed or extended meanwhile); otherwise gathered once into a
         registered staging buffer that is reused after `release`.
         """
+        handle, kv_shape, record = self._expose(ref_id, transport)
+        if self._stale_exposure():  # fault injection: the peer will meet a released exposure
+            self.release(handle, transport)
+        return handle, kv_shape, record
+
+    def _expose(self, ref_id: str, transport: str) -> tuple[object, KVShape, object]:
         ref = self._ref(ref_id)
         lay = self.engine.kv_layout
         shape = (lay.num_layers, 2, len(ref), lay.num_kv_heads, lay.head_dim)

@@ -176,3 +176,43 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_llama_dir):
+    """A 2-replica cluster in this module's Ray (after the raw replica pairs)."""
+    from aaflow.calibration import ensure_profile
+
+    c = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    ensure_profile(c)
+    yield c, str(tiny_llama_dir)
+    c.shutdown()
+
+
+@pytest.mark.parametrize("transport", transport_params())
+def test_a_workflow_meeting_stale_leases_falls_back_to_recompute(cluster, transport):
+    """Every exposure is released before the peer reads it: each transfer fails inside the real
+    transport, and the run recomputes instead, with the text baseline's tokens and no KV left."""
+    from tests.cluster_checks import assert_no_kv_left
+    from tests.test_workflow_run import fan_out
+
+    c, model = cluster
+    wf = fan_out(model)
+    expected = {n: a.token_ids for n, a in af.run(wf, c, strategy="text").agents.items()}
+    for r in c.replicas():
+        ray_get(r.actor.inject_fault.remote("stale", 50))
+    try:
+        res = af.run(wf, c, strategy="transfer", transport=transport, call_timeout_s=60)
+    finally:
+        for r in c.replicas():
+            ray_get(r.actor.clear_fault.remote())
+    assert {n: a.token_ids for n, a in res.agents.items()} == expected
+    assert any("recomputing instead" in e for e in res.events), res.events
+    assert res.metrics["bytes_moved"] == 0
+    assert_no_kv_left(c)
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
