@@ -20,6 +20,7 @@ BENCHMARKS = {
     "consistency": "benchmarks.consistency_bench",
     "workflows": "benchmarks.workflows_bench",
     "fuzz": "benchmarks.fuzz_bench",
+    "soak": "benchmarks.soak_bench",
 }
 
 DTYPE_ARG = ["auto", "bfloat16", "float32"]

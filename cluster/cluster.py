@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from aaflow.errors import AAFlowError
 from cluster.replica_api import REPLICAS, replica_class
+
+_LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 
 class ClusterError(AAFlowError, RuntimeError):
@@ -114,6 +117,7 @@ class Cluster:
         except Exception as exc:
             self.shutdown()
             raise ClusterError(f"a replica failed to start: {exc}") from exc
+        _LIVE_CLUSTERS.add(self)
 
     def replicas(self, model: str | None = None) -> list[ReplicaHandle]:
         """Replica handles, all or those serving `model`."""
@@ -143,6 +147,11 @@ class Cluster:
             self._pg = None
         if self._owns_ray:
             ray.shutdown()
+
+
+def live_clusters() -> list[Cluster]:
+    """Clusters of this process that are not shut down (a leak check's view)."""
+    return [c for c in list(_LIVE_CLUSTERS) if not c._closed]
 
 
 def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:

@@ -9,7 +9,7 @@ from operators.ref import KVRef, Lineage, check_ref
 def check_fork_count(n) -> None:
     """`InvalidArgumentError` (a ValueError) unless n is an int >= 1 (every engine's fork)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise InvalidArgumentError(f"fork needs an int n >= 1, got {n!r}")
+        raise InvalidArgumentError(f"fork needs n >= 1 (an int), got {n!r}")
 
 
 def fork(kv: KVRef, n: int = 2) -> list[KVRef]:

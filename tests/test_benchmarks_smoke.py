@@ -10,7 +10,7 @@ import pytest
 
 from aaflow.cli import BENCHMARKS, build_parser
 
-QUICK = ["scaling", "overhead", "consistency", "workflows", "fuzz"]
+QUICK = ["scaling", "overhead", "consistency", "workflows", "fuzz", "soak"]
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

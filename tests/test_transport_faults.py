@@ -216,3 +216,14 @@ def ray_get(ref):
     import ray
 
     return ray.get(ref)
+
+
+def test_the_leak_check_reports_and_clears_kv_left_on_a_replica(peers):
+    from tests.leak_checks import LeakWatch
+
+    ray, src, dst = peers
+    watch = LeakWatch()
+    ray.get(dst.materialize.remote(CONTEXT))  # never freed
+    (problem,) = watch.problems()
+    assert "refs" in problem and "1 refs" in problem, problem
+    _untouched(ray, dst)  # the check closed the replica's refs
