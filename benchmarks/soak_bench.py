@@ -80,6 +80,14 @@ def workflow(model: str, i: int):
     return wf
 
 
+def _flat(snap: dict) -> dict:
+    """Totals over the processes of a snapshot: blocks, refs, sessions, fds, RSS, store objects."""
+    procs = list(snap["replicas"].values()) + [snap["driver"]]
+    totals = {k: round(sum(p.get(k, 0) for p in procs), 1) for k in ("used_blocks", "refs", "sessions",
+                                                                       "open_fds", "rss_mib")}
+    return {**totals, "store_objects": snap["object_store"].get("objects")}
+
+
 def _deltas(before: dict, after: dict, rss_bound_mib: float) -> dict:
     out, ok = {}, True
     for name, b in before["replicas"].items():
@@ -113,11 +121,13 @@ def run(args) -> dict:
         for strategy in STRATEGIES:
             af.run(workflow(model, 0), cluster, strategy=strategy)
         before = snapshot(cluster)
+        checkpoints = {}  # cycles done -> snapshot: a leak grows with them, a one-time allocation does not
         start = time.perf_counter()
         for i in range(args.cycles):
             operator_cycle(cluster, model, i, transports[i % len(transports)])
-            if (i + 1) % 200 == 0:
-                log(f"{i + 1} operator cycles")
+            if (i + 1) % max(1, args.cycles // 5) == 0:
+                checkpoints[i + 1] = _flat(snapshot(cluster))
+                log(f"{i + 1} operator cycles: {checkpoints[i + 1]}")
         cycles_s = time.perf_counter() - start
         between = snapshot(cluster)
         start = time.perf_counter()
@@ -132,7 +142,7 @@ def run(args) -> dict:
               "settings": {"cycles": args.cycles, "runs": args.runs, "transports": transports,
                            "rss_bound_mib": args.rss_bound_mib},
               "seconds": {"operator_cycles": round(cycles_s, 1), "workflow_runs": round(runs_s, 1)},
-              "before": before, "after_cycles": between, "after_runs": after,
+              "before": before, "after_cycles": between, "after_runs": after, "checkpoints": checkpoints,
               "deltas_after_cycles": _deltas(before, between, args.rss_bound_mib),
               "deltas_after_runs": _deltas(before, after, args.rss_bound_mib)}
     log(f"deltas after {args.cycles} cycles and {args.runs} runs: {report['deltas_after_runs']}")
