@@ -38,7 +38,8 @@ def _process(pid: int) -> dict:
     import psutil
 
     proc = psutil.Process(pid)
-    return {"rss_mib": round(proc.memory_info().rss / 2**20, 1), "open_fds": proc.num_fds(), "threads": proc.num_threads()}
+    return {"rss_mib": round(proc.memory_info().rss / 2**20, 1), "open_fds": proc.num_fds(),
+            "threads": proc.num_threads()}
 
 
 def snapshot(cluster) -> dict:

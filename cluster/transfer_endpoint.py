@@ -16,6 +16,7 @@ keeps its blocks out of use instead).
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -211,8 +212,8 @@ def check_descriptor(handle, shape, record) -> None:
     """`KVImportError` unless a received descriptor has the types a sender makes: a handle with an int
     `nbytes`, a `KVShape` of strings and ints, a record whose token ids are ints and `nbytes` an int.
     Runs before the receiver looks at sizes, so a malformed one cannot reach an allocation."""
-    def is_int(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
+    def is_int(x) -> bool:  # Python or numpy integers
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
     problems = []
     if not is_int(getattr(handle, "nbytes", None)):

@@ -4,6 +4,8 @@ blocks, cache and layout)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from aaflow.engine.sequence import KVExport, Sequence
@@ -70,7 +72,7 @@ class KVImportExport:
         vocab = self.model.config.vocab_size
         if not isinstance(token_ids, (list, tuple)):
             raise KVImportError(f"imported KV's token ids must be a list of ints, got {type(token_ids).__name__}")
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
         if bad:
             raise KVImportError(f"imported KV's token ids {bad[:5]!r} are not ids of this model's vocabulary "
                                 f"[0, {vocab}); the payload is damaged or of another model: recompute from text")

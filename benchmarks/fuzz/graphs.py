@@ -42,7 +42,8 @@ def _strategies(model: str):
     settings = _mostly(valid_settings, any_settings)
     model_name = _mostly(st.just(model), st.sampled_from(["smollm3", "", "gpt-9"]) | junk)
     context = st.tuples(st.just("context"), name, text)
-    agent = st.tuples(st.just("agent"), name, model_name, _mostly(st.lists(part, min_size=1, max_size=4), st.just([])), settings)
+    prompt = _mostly(st.lists(part, min_size=1, max_size=4), st.just([]))
+    agent = st.tuples(st.just("agent"), name, model_name, prompt, settings)
     kv_op = st.tuples(st.just("kv_op"), name, _mostly(st.sampled_from(["fork", "compose", "evict"]), text),
                       st.lists(_mostly(st.integers(0, 9), part), max_size=3))
     wired = st.tuples(st.just("wired"), name, st.lists(name, min_size=1, max_size=3))  # by hand: cycles, dangling

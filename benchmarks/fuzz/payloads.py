@@ -171,7 +171,8 @@ class KVPayloads(Surface):
 
     def _import_and_free(self, payload) -> None:
         seq = self.dst.engine.import_kv(payload)
-        self._allocated_ok = (len(self.dst.engine.sequence_tokens(seq)) == len(payload.token_ids), len(payload.token_ids))
+        tokens = len(payload.token_ids)
+        self._allocated_ok = (len(self.dst.engine.sequence_tokens(seq)) == tokens, tokens)
         self.dst.engine.free(seq)
 
     def invariants(self) -> list[str]:
