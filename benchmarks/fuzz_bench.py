@@ -2,7 +2,7 @@
 
 Surfaces (see `benchmarks.fuzz`): DSL workflow graphs, mutated workflow YAML files, operator
 arguments, KV import payloads and received descriptors, on tiny random-weight models in this
-process. Reports, per surface, the cases run, outcomes (ok / typed error by class), untyped errors,
+process; and random small workflows run on a 2-replica local Ray cluster of the tiny model. Reports, per surface, the cases run, outcomes (ok / typed error by class), untyped errors,
 hangs (cases past their time bound) and invariant violations (leaked blocks, sequences or refs),
 with the first failures verbatim. The target is 0 untyped errors, 0 hangs and 0 violations.
 """
@@ -21,13 +21,13 @@ from benchmarks.common import log, machine_facts, write_json
 
 
 def run(args) -> dict:
-    from benchmarks.fuzz import SURFACE_NAMES, make_models, make_surface, run_surface
+    from benchmarks.fuzz import RAY_SURFACE_NAMES, SURFACE_NAMES, make_models, make_surface, run_surface
 
     torch.set_num_threads(args.threads)
     if args.quick:
         args.cases = min(args.cases, 100)
     seed = args.seed if args.seed is not None else random.randrange(2**32)
-    surfaces = args.surface or list(SURFACE_NAMES)
+    surfaces = args.surface or list(SURFACE_NAMES + RAY_SURFACE_NAMES)
     folder = Path(tempfile.mkdtemp(prefix="aaflow-fuzz-models-"))
     results = {}
     try:
@@ -53,7 +53,7 @@ def run(args) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", type=int, default=1000, help="Hypothesis examples per surface")
     p.add_argument("--surface", action="append", default=[],
-                   choices=["workflow_graphs", "yaml_files", "operator_arguments", "kv_payloads"],
+                   choices=["workflow_graphs", "yaml_files", "operator_arguments", "kv_payloads", "workflow_runs"],
                    help="only this surface (repeatable; default: all)")
     p.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random, recorded)")
     p.add_argument("--threads", type=int, default=1)

@@ -30,6 +30,14 @@ def test_every_failure_is_typed_and_bounded(fuzz_models, surface):
     assert report.ok + sum(report.typed.values()) == report.cases
 
 
+def test_fuzzed_workflows_run_on_a_cluster(fuzz_models):
+    """Random small workflows under random strategies and transports: each completes with every
+    agent's tokens or is refused typed, and leaves no block, ref or session on the replicas."""
+    with make_surface("workflow_runs", *fuzz_models) as s:
+        report = run_surface(s, 15, seed=2026, strict=True)
+    assert report.failed == 0 and sum(v for k, v in report.steps.items() if k.startswith("ran ")) >= 5, report.as_dict()
+
+
 def test_the_fuzzer_reports_an_untyped_error(fuzz_models, monkeypatch):
     """The harness itself: an operator that fails untyped is caught, counted and shrunk."""
     import importlib

@@ -3,7 +3,8 @@
 
 Surfaces: `workflow_graphs` (the DSL), `yaml_files` (mutated workflow files), `operator_arguments`
 (the `af.*` operators with bad refs and arguments), `kv_payloads` (imported KV, spilled files,
-transport control messages and received descriptors). `tests/test_fuzz.py` runs a small budget of
+transport control messages and received descriptors), all in this process, and `workflow_runs`
+(random small workflows run with `af.run` on a 2-replica Ray cluster). `tests/test_fuzz.py` runs a small budget of
 each; `aaflow bench fuzz` runs >= 1,000 cases per surface and writes the counts.
 """
 
@@ -15,9 +16,11 @@ from benchmarks.fuzz.graphs import WorkflowGraphs
 from benchmarks.fuzz.harness import Surface, SurfaceReport, run_surface
 from benchmarks.fuzz.op_args import OperatorArguments
 from benchmarks.fuzz.payloads import KVPayloads
+from benchmarks.fuzz.runs import WorkflowRuns
 from benchmarks.fuzz.yaml_files import YamlFiles
 
-SURFACE_NAMES = ("workflow_graphs", "yaml_files", "operator_arguments", "kv_payloads")
+SURFACE_NAMES = ("workflow_graphs", "yaml_files", "operator_arguments", "kv_payloads")  # in this process
+RAY_SURFACE_NAMES = ("workflow_runs",)  # start a local Ray cluster
 MAX_POSITIONS = 4096  # room for the shipped review workflow's paper (byte tokens) in the tiny model
 
 
@@ -39,7 +42,9 @@ def make_surface(name: str, model_dir: Path, other_model_dir: Path) -> Surface:
         return OperatorArguments(model_dir, other_model_dir)
     if name == "kv_payloads":
         return KVPayloads(model_dir, other_model_dir)
-    raise ValueError(f"unknown fuzz surface {name!r}; choose from {SURFACE_NAMES}")
+    if name == "workflow_runs":
+        return WorkflowRuns(str(model_dir))
+    raise ValueError(f"unknown fuzz surface {name!r}; choose from {SURFACE_NAMES + RAY_SURFACE_NAMES}")
 
 
-__all__ = ["SURFACE_NAMES", "Surface", "SurfaceReport", "make_models", "make_surface", "run_surface"]
+__all__ = ["RAY_SURFACE_NAMES", "SURFACE_NAMES", "Surface", "SurfaceReport", "make_models", "make_surface", "run_surface"]
