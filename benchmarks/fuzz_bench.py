@@ -2,8 +2,8 @@
 
 Surfaces (see `benchmarks.fuzz`): DSL workflow graphs, mutated workflow YAML files, operator
 arguments, KV import payloads and received descriptors, on tiny random-weight models in this
-process; and random small workflows run on a 2-replica local Ray cluster of the tiny model. Reports, per surface, the cases run, outcomes (ok / typed error by class), untyped errors,
-hangs (cases past their time bound) and invariant violations (leaked blocks, sequences or refs),
+process; and random small workflows run on a 2-replica local Ray cluster of the tiny model.
+Reports, per surface, the cases run, outcomes (ok / typed error by class), untyped errors, hangs (cases past their time bound) and invariant violations (leaked blocks, sequences or refs),
 with the first failures verbatim. The target is 0 untyped errors, 0 hangs and 0 violations.
 """
 

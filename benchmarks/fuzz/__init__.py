@@ -47,4 +47,5 @@ def make_surface(name: str, model_dir: Path, other_model_dir: Path) -> Surface:
     raise ValueError(f"unknown fuzz surface {name!r}; choose from {SURFACE_NAMES + RAY_SURFACE_NAMES}")
 
 
-__all__ = ["RAY_SURFACE_NAMES", "SURFACE_NAMES", "Surface", "SurfaceReport", "make_models", "make_surface", "run_surface"]
+__all__ = ["RAY_SURFACE_NAMES", "SURFACE_NAMES", "Surface", "SurfaceReport", "make_models", "make_surface",
+           "run_surface"]
