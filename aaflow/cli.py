@@ -10,6 +10,8 @@ import time
 BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "memory": "benchmarks.memory_bench",
+    "fuzz": "benchmarks.fuzz_bench",
+    "soak": "benchmarks.soak_bench",
     "transfer": "benchmarks.kv_transfer_bench",
     "workflow": "benchmarks.workflow_bench",
     "compose": "benchmarks.compose_bench",
@@ -19,8 +21,6 @@ BENCHMARKS = {
     "overhead": "benchmarks.overhead_bench",
     "consistency": "benchmarks.consistency_bench",
     "workflows": "benchmarks.workflows_bench",
-    "fuzz": "benchmarks.fuzz_bench",
-    "soak": "benchmarks.soak_bench",
 }
 
 DTYPE_ARG = ["auto", "bfloat16", "float32"]

@@ -10,7 +10,7 @@ import pytest
 
 from aaflow.cli import BENCHMARKS, build_parser
 
-QUICK = ["scaling", "overhead", "consistency", "workflows", "fuzz", "soak"]
+QUICK = ["scaling", "overhead", "consistency", "workflows"]
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

@@ -18,8 +18,7 @@ from tests.cluster_checks import assert_no_kv_left, fixed_length_chain
 
 class Recording(Backend):
     """Another backend, with every call it is given written down as (replica, kind, sessions,
-    prompt tokens): decoded token ids differ between clocks, their number does not; session names
-    lose their per-run id (each run has its own)."""
+    prompt tokens): decoded token ids differ between clocks, their number does not."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner, self.calls = inner, []
@@ -31,7 +30,7 @@ class Recording(Backend):
         return self.inner.now()
 
     def submit(self, replica, call):
-        sessions = tuple(s.split("/", 1)[-1] for s in call.sessions)  # without the per-run id prefix
+        sessions = tuple(sid.split("/", 1)[1] for sid in call.sessions)  # without the run id
         self.calls.append((replica, call.kind.name, sessions, call.tokens))
         return self.inner.submit(replica, call)
 
