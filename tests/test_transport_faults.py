@@ -87,6 +87,7 @@ def test_a_source_killed_during_the_fetch_is_a_bounded_typed_error(pair, transpo
     ray, src, dst = pair
     record = ray.get(src.materialize.remote(CONTEXT))
     handle, shape, record = ray.get(src.expose.remote(record.id, transport))
+    sent = ray.get(src.export_tensor.remote(record.id))  # the bytes the source exposed
     pid = _pid(ray, src)
     os.kill(pid, signal.SIGSTOP)  # the source stalls: the fetch below is in flight when it dies
     try:
@@ -103,7 +104,7 @@ def test_a_source_killed_during_the_fetch_is_a_bounded_typed_error(pair, transpo
     again = ray.get(dst.materialize.remote(CONTEXT))  # the destination still works: recompute
     if received is not None:  # the object store holds an exposure's bytes after its owner died
         assert transport == "ray", f"{transport} read from a dead source without its lease"
-        assert torch_equal(ray.get(dst.export_tensor.remote(received.id)), ray.get(dst.export_tensor.remote(again.id)))
+        assert torch_equal(ray.get(dst.export_tensor.remote(received.id)), sent)
         ray.get(dst.free.remote(received.id))
     ray.get(dst.free.remote(again.id))
     _untouched(ray, dst)
