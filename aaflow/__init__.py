@@ -23,6 +23,7 @@ _EXPORTS = {
     "PromptError": "aaflow.errors",
     "SamplingError": "aaflow.errors",
     "SequenceError": "aaflow.errors",
+    "InvalidArgumentError": "aaflow.errors",
     "KVCapacityError": "aaflow.errors",
     "KVImportError": "aaflow.errors",
     "ModelMismatchError": "aaflow.errors",

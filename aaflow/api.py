@@ -31,13 +31,17 @@ def materialize(target, *args, **kwargs):
         return remote.materialize(target, *args, **kwargs)
     import operators
 
+    if not isinstance(target, operators.KVHost) and not hasattr(target, "export_kv"):
+        from aaflow.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"materialize needs a cluster, an Engine or a KVHost, got {type(target).__name__}")
     host = target if isinstance(target, operators.KVHost) else host_of(target)
     return operators.materialize(host, *args, **kwargs)
 
 
 def _dispatch(name: str):
     def op(kv, *args, **kwargs):
-        first = kv if not isinstance(kv, (list, tuple)) else kv[0]
+        first = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
         if _is_remote(first):
             from cluster import remote
 

@@ -13,6 +13,8 @@ from aaflow.strategies import STRATEGIES
 BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "memory": "benchmarks.memory_bench",
+    "fuzz": "benchmarks.fuzz_bench",
+    "soak": "benchmarks.soak_bench",
     "transfer": "benchmarks.kv_transfer_bench",
     "workflow": "benchmarks.workflow_bench",
     "compose": "benchmarks.compose_bench",

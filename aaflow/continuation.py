@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dataclasses import fields
+
 from aaflow.engine.sampling import SamplingParams
-from operators.ref import KVRef, Lineage
+from aaflow.errors import SamplingError
+from operators.ref import KVRef, Lineage, check_ref
 
 
 def generate(kv: KVRef, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, *,
@@ -20,9 +23,8 @@ def generate(kv: KVRef, text_or_ids: str | Sequence[int], max_new_tokens: int = 
     continued context (kv + prompt + the generated tokens but the last).
     Sampling keywords: temperature, top_p, seed, stop, ignore_eos.
     """
-    host = kv.host
-    params = SamplingParams(max_new_tokens=max_new_tokens, **{k: tuple(v) if k == "stop" else v
-                                                              for k, v in sampling.items()})
+    host = check_ref(kv, "generate").host
+    params = sampling_params(max_new_tokens, sampling)
     seq = host.engine.fork(host.sequence(kv))
     try:
         out = host.engine.generate_batch([text_or_ids], params, seq_ids=[seq], keep=True)[0]
@@ -34,3 +36,19 @@ def generate(kv: KVRef, text_or_ids: str | Sequence[int], max_new_tokens: int = 
     else:
         host.engine.free(seq)
     return out
+
+
+def sampling_params(max_new_tokens, sampling: dict) -> SamplingParams:
+    """`SamplingParams` from generate's keywords; `SamplingError` names an unknown keyword or a bad stop."""
+    known = {f.name for f in fields(SamplingParams)} - {"max_new_tokens"}
+    unknown = sorted(set(sampling) - known)
+    if unknown:
+        raise SamplingError(f"unknown sampling keyword {unknown[0]!r}; use {', '.join(sorted(known))}")
+    if "stop" in sampling:
+        stop = sampling["stop"]
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
+        sampling = {**sampling, "stop": tuple(stop)}
+    return SamplingParams(max_new_tokens=max_new_tokens, **sampling)

@@ -27,6 +27,11 @@ class SamplingError(AAFlowError, ValueError):
     """A sampling parameter (temperature, top_p, max_new_tokens, ...) is out of range."""
 
 
+class InvalidArgumentError(AAFlowError, ValueError, TypeError):
+    """An operator argument has the wrong type or is out of range (a fork count, a chunk size, a TTL,
+    something that is not a KVRef); the message names the argument, what was given and what is expected."""
+
+
 class SequenceError(AAFlowError, KeyError):
     """A sequence id is unknown to the engine (never created, or already freed)."""
 

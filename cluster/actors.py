@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from pathlib import Path
 
 # Loopback-only settings for UCX-based transports inside actors (see PLATFORM.md).
@@ -58,6 +59,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     return ray
 
 
+_REPLICA_ACTORS: "weakref.WeakSet" = weakref.WeakSet()  # replica actors this process made (leak checks)
+
+
 def replica_actor(name: str, model: str, num_cpus: float = 1, **replica_kwargs):
     """Create a `ModelReplica` as a named Ray actor (its calls run one at a time)."""
     import ray
@@ -65,4 +69,14 @@ def replica_actor(name: str, model: str, num_cpus: float = 1, **replica_kwargs):
     from cluster.replica import ModelReplica
 
     actor_cls = ray.remote(ModelReplica)
-    return actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1).remote(name, model, **replica_kwargs)
+    actor = actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1).remote(name, model, **replica_kwargs)
+    _REPLICA_ACTORS.add(actor)
+    return actor
+
+
+def live_replica_actors() -> list:
+    """Replica actors this process created that are still referenced: those `replica_actor` made and
+    those of clusters not shut down (dead ones included: callers skip what no longer answers)."""
+    from cluster.cluster import live_clusters
+
+    return list(_REPLICA_ACTORS) + [r.actor for c in live_clusters() for r in c._replicas]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from aaflow.errors import AAFlowError
 from cluster.replica_api import REPLICAS, replica_class
+
+_LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
 
 class ClusterError(AAFlowError, RuntimeError):
@@ -127,6 +130,7 @@ class Cluster:
         except Exception as exc:
             self.shutdown()
             raise ClusterError(f"a replica failed to start: {exc}") from exc
+        _LIVE_CLUSTERS.add(self)
 
     @classmethod
     def attach(cls, handles: list[ReplicaHandle], info: dict, owns_ray: bool = False, placement=None) -> "Cluster":
@@ -180,6 +184,11 @@ class Cluster:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def live_clusters() -> list[Cluster]:
+    """Clusters of this process that are not shut down (a leak check's view)."""
+    return [c for c in list(_LIVE_CLUSTERS) if not c._closed]
 
 
 def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:

@@ -16,6 +16,7 @@ keeps its blocks out of use instead).
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,12 @@ class TransferEndpoint:
         `release`, so the ref may be freed or extended meanwhile); otherwise gathered once into a
         registered staging buffer that is reused after `release`.
         """
+        handle, kv_shape, record = self._expose(ref_id, transport)
+        if self._stale_exposure():  # fault injection: the peer will meet a released exposure
+            self.release(handle, transport)
+        return handle, kv_shape, record
+
+    def _expose(self, ref_id: str, transport: str) -> tuple[object, KVShape, object]:
         ref = self._ref(ref_id)
         lay = self.engine.kv_layout
         shape = (lay.num_layers, 2, len(ref), lay.num_kv_heads, lay.head_dim)
@@ -134,6 +141,7 @@ class TransferEndpoint:
         raises `KVTransferError` and leaves this pool exactly as it was.
         """
         self._maybe_fail("receive")
+        check_descriptor(handle, shape, record)
         if shape.fingerprint != self.engine.fingerprint:
             raise ModelMismatchError(
                 f"replica {self.name} serves model {self.engine.fingerprint[:12]}..., the KV is of model "
@@ -145,6 +153,12 @@ class TransferEndpoint:
         if tuple(shape.shape) != expected or dtype != lay.dtype:
             raise KVImportError(f"incoming KV {shape.shape} {shape.dtype} does not match this replica's "
                                 f"{expected} {str(lay.dtype).removeprefix('torch.')}")
+        declared = torch.Size(expected).numel() * lay.dtype_bytes  # the only size this replica will allocate
+        if record.nbytes != declared or handle.nbytes != declared:
+            raise KVImportError(f"incoming KV of {len(record.token_ids)} tokens is {declared} bytes here, but the ref "
+                                f"declares {record.nbytes} and the transfer handle {handle.nbytes}: a damaged or "
+                                "forged descriptor; nothing was allocated (recompute from text)")
+        self.engine.check_room(len(record.token_ids))  # before a receive buffer or pool blocks are taken
         in_place = self._in_place(transport)
         fetch = self._fetch_in_place if in_place is not None else self._fetch_staged
         seq, stats = _as_transfer_error(transport, self.name,
@@ -192,6 +206,32 @@ class TransferEndpoint:
             t.close()
         self._transports.clear()
         self._pool_registered.clear()
+
+
+def check_descriptor(handle, shape, record) -> None:
+    """`KVImportError` unless a received descriptor has the types a sender makes: a handle with an int
+    `nbytes`, a `KVShape` of strings and ints, a record whose token ids are ints and `nbytes` an int.
+    Runs before the receiver looks at sizes, so a malformed one cannot reach an allocation."""
+    def is_int(x) -> bool:  # Python or numpy integers
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+    problems = []
+    if not is_int(getattr(handle, "nbytes", None)):
+        problems.append(f"handle {type(handle).__name__} has no integer nbytes")
+    if not (isinstance(shape, KVShape) and isinstance(shape.fingerprint, str) and isinstance(shape.dtype, str)
+            and isinstance(shape.shape, tuple) and all(is_int(d) and d >= 0 for d in shape.shape)):
+        problems.append(f"shape {shape!r:.120} is not a KVShape of a fingerprint, dims and a dtype name")
+    from cluster.replica import RefRecord
+    from operators import FidelityReport
+
+    if not (isinstance(record, RefRecord) and isinstance(record.id, str) and isinstance(record.replica, str)
+            and isinstance(record.token_ids, tuple) and record.token_ids and all(is_int(t) for t in record.token_ids)
+            and is_int(record.nbytes) and (record.fidelity is None or isinstance(record.fidelity, FidelityReport))):
+        problems.append(f"record {record!r:.120} is not a RefRecord with an id, non-empty integer token ids and "
+                        "an integer nbytes")
+    if problems:
+        raise KVImportError("malformed KV transfer descriptor: " + "; ".join(problems)
+                            + "; pass what the source replica's expose returned")
 
 
 def _as_transfer_error(transport: str, replica: str, call):

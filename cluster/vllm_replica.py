@@ -35,7 +35,7 @@ from cluster.faults import FaultInjection
 from cluster.payload_refs import PayloadRefs
 from cluster.replica import RefRecord
 from cluster.replica_api import Replica
-from cluster.transfer_endpoint import KVShape
+from cluster.transfer_endpoint import KVShape, check_descriptor
 from cluster.vllm_calibration import VLLMCalibration
 from operators.fork import check_fork_count
 
@@ -192,6 +192,7 @@ class VLLMReplica(VLLMCalibration, FaultInjection, Replica):
         """Pull a peer's exposed KV and keep it as a payload ref; returns (record, TransferStats).
         It enters vLLM's cache when a session continuing it starts. Approximate KV is refused."""
         self._maybe_fail("receive")
+        check_descriptor(handle, shape, record)
         if shape.fingerprint != self.engine.fingerprint:
             raise ModelMismatchError(f"replica {self.name} serves model {self.engine.fingerprint[:12]}..., the KV is "
                                      f"of model {shape.fingerprint[:12]}...; recompute from text instead")
@@ -204,6 +205,11 @@ class VLLMReplica(VLLMCalibration, FaultInjection, Replica):
         if tuple(shape.shape) != expected or dtype != self.engine.dtype:
             raise KVImportError(f"incoming KV {shape.shape} {shape.dtype} does not match vLLM replica {self.name}'s "
                                 f"{expected} {str(self.engine.dtype).removeprefix('torch.')}")
+        declared = torch.Size(expected).numel() * dtype.itemsize
+        if record.nbytes != declared or handle.nbytes != declared or len(record.token_ids) > c.max_position_embeddings:
+            raise KVImportError(f"incoming KV of {len(record.token_ids)} tokens ({declared} bytes here) does not match "
+                                f"the ref's declared {record.nbytes} bytes, the handle's {handle.nbytes}, or the "
+                                f"model's {c.max_position_embeddings} positions: a damaged or forged descriptor")
         kv = torch.empty(expected, dtype=dtype)
         try:
             stats = self._transport(transport).fetch(handle, kv, timeout_s=timeout_s)

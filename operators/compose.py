@@ -17,7 +17,7 @@ import torch
 
 from aaflow.errors import KVComposeError, KVLocationError
 from operators.payload import KVPayload
-from operators.ref import FidelityReport, KVRef, Lineage
+from operators.ref import FidelityReport, KVRef, Lineage, check_ref
 
 
 def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", r: float = 0.15,
@@ -34,9 +34,11 @@ def compose(*kvs: KVRef, mode: Literal["exact", "rerotate", "blend"] = "exact", 
     """
     if not kvs:
         raise KVComposeError("compose needs at least one KVRef")
-    if mode not in ("exact", "rerotate", "blend"):
+    for part in kvs:
+        check_ref(part, "compose")
+    if not isinstance(mode, str) or mode not in ("exact", "rerotate", "blend"):
         raise KVComposeError(f"unknown compose mode {mode!r}: use 'exact', 'rerotate' or 'blend'")
-    if mode == "blend" and not (isinstance(r, (int, float)) and 0 <= r <= 1):
+    if mode == "blend" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
         raise KVComposeError(f"blend's recompute fraction r must be a number in [0, 1], got {r!r}")
     host = kvs[0].host
     for part in kvs[1:]:

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from operators.ref import KVRef
+from operators.ref import KVRef, check_ref
 
 
 def evict(kv: KVRef, spill: bool | None = None) -> None:
     """Drop kv's blocks from the pool; the next use rebuilds it from lineage (or reloads it from
     disk when spilled). Blocks shared with forks stay until their last user is gone."""
-    kv.host.evict(kv, spill=spill)
+    check_ref(kv, "evict").host.evict(kv, spill=spill)
 
 
 def free(kv: KVRef) -> None:
     """End kv for good: its blocks are released and any later use raises `KVRefFreedError`."""
-    kv.host.free(kv)
+    check_ref(kv, "free").host.free(kv)
 
 
 def pin(kv: KVRef, ttl_s: float | None = None) -> None:
     """Keep kv resident under budget pressure, for `ttl_s` seconds or until `unpin`."""
-    kv.host.pin(kv, ttl_s)
+    check_ref(kv, "pin").host.pin(kv, ttl_s)
 
 
 def unpin(kv: KVRef) -> None:
-    kv.host.unpin(kv)
+    check_ref(kv, "unpin").host.unpin(kv)

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aaflow.errors import KVEvictedError, KVRefFreedError
+import math
+
+from aaflow.errors import InvalidArgumentError, KVEvictedError, KVRefFreedError
 from operators.ref import FidelityReport, KVRef, Lineage, new_ref_id
 from operators.spec import KVSpec
 
@@ -124,7 +126,8 @@ class KVHost:
             from operators.spill import spill_export
 
             if self.spill_dir is None:
-                raise ValueError(f"host {self.name} has no spill_dir; create it with KVHost(..., spill_dir=...)")
+                raise InvalidArgumentError(f"host {self.name} has no spill_dir, so it cannot spill; create it with "
+                                           "KVHost(..., spill_dir=...) or evict without spill")
             entry.spill_path = spill_export(self.engine.export_kv(entry.seq_id), self.spill_dir / f"{ref.id}.safetensors")
         self.engine.free(entry.seq_id)
         entry.seq_id = None
@@ -141,6 +144,9 @@ class KVHost:
 
     def pin(self, ref: KVRef, ttl_s: float | None = None) -> None:
         """Protect a ref from budget eviction, for `ttl_s` seconds (an agent paused for a tool) or until unpinned."""
+        if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool)
+                                      and math.isfinite(ttl_s) and ttl_s >= 0):
+            raise InvalidArgumentError(f"pin's ttl_s must be a finite number of seconds >= 0 or None, got {ttl_s!r}")
         self._entry(ref).pinned_until = time.monotonic() + ttl_s if ttl_s is not None else float("inf")
 
     def unpin(self, ref: KVRef) -> None:

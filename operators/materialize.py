@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from operators.host import KVHost
-from operators.ref import KVRef, Lineage
+from aaflow.errors import InvalidArgumentError
+from operators.ref import KVRef, Lineage, check_ref
 
 
 def materialize(host: KVHost, text_or_ids: str | Sequence[int], *, lineage: bool = True,
@@ -15,6 +16,8 @@ def materialize(host: KVHost, text_or_ids: str | Sequence[int], *, lineage: bool
     The prefix cache serves any full blocks already computed for the same prefix. With
     `lineage=False` the ref cannot be rebuilt after eviction (eviction is then final).
     """
+    if not isinstance(host, KVHost):
+        raise InvalidArgumentError(f"materialize needs a KVHost or an engine, got {type(host).__name__}")
     ids = host.engine.prompt_ids(text_or_ids)  # PromptError when empty or outside the vocabulary
     seq = host.engine.new_sequence()
     try:
@@ -30,7 +33,7 @@ def extend(kv: KVRef, text_or_ids: str | Sequence[int], *, chunk_size: int | Non
 
     The result is exact: its KV equals a one-pass prefill of the whole context.
     """
-    host = kv.host
+    host = check_ref(kv, "extend").host
     ids = host.engine.prompt_ids(text_or_ids)  # PromptError when empty or outside the vocabulary
     seq = host.engine.fork(host.sequence(kv))
     try:

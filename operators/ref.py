@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from aaflow.errors import InvalidArgumentError
 from operators.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -102,3 +103,11 @@ class KVRef:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+def check_ref(kv, op: str) -> KVRef:
+    """`kv` itself if it is a `KVRef`; else `InvalidArgumentError` naming the operator and what it got."""
+    if not isinstance(kv, KVRef):
+        raise InvalidArgumentError(f"{op} needs a KVRef (from af.materialize, fork, transfer or compose), "
+                                   f"got {type(kv).__name__}: {kv!r:.80}")
+    return kv

@@ -20,10 +20,19 @@ def spill_export(export, path: Path) -> Path:
 
 
 def load_spilled(path: Path, fingerprint: str) -> KVPayload:
-    """Read a spilled KV file; the fingerprint is checked before the tensor is read."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("fingerprint") != fingerprint:
-            raise KVImportError(f"{path}: spilled KV belongs to another model; it cannot be reloaded here")
-        kv = f.get_tensor("kv")
-    return KVPayload(meta["fingerprint"], tuple(json.loads(meta["token_ids"])), kv)
+    """Read a spilled KV file; the fingerprint is checked before the tensor is read. A damaged or
+    foreign file raises `KVImportError` (the ref is then rebuilt from lineage or must be recomputed)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("fingerprint") != fingerprint:
+                raise KVImportError(f"{path}: spilled KV belongs to another model; it cannot be reloaded here")
+            kv = f.get_tensor("kv")
+        token_ids = json.loads(meta["token_ids"])
+    except KVImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors and json raise several untyped errors on damage
+        raise KVImportError(f"{path} is not a readable spilled KV file ({exc!r}); recompute the context") from exc
+    if not isinstance(token_ids, list):
+        raise KVImportError(f"{path}: token_ids metadata is not a list; recompute the context")
+    return KVPayload(meta["fingerprint"], tuple(token_ids), kv)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from aaflow.errors import ModelMismatchError
+from aaflow.errors import InvalidArgumentError, ModelMismatchError
 from operators.host import KVHost
-from operators.ref import KVRef, Lineage
+from operators.ref import KVRef, Lineage, check_ref
 
 
 def transfer(kv: KVRef, destination: KVHost) -> KVRef:
@@ -14,6 +14,9 @@ def transfer(kv: KVRef, destination: KVHost) -> KVRef:
     one import (checked against fingerprint, shape and dtype). A destination serving a different
     model raises `ModelMismatchError` before anything is copied.
     """
+    check_ref(kv, "transfer")
+    if not isinstance(destination, KVHost):
+        raise InvalidArgumentError(f"transfer needs a destination KVHost, got {type(destination).__name__}")
     if destination is kv.host:
         from operators.fork import fork
 

@@ -56,12 +56,19 @@ def tiny_engine(tiny_llama_dir):
 
 
 @pytest.fixture(autouse=True)
-def kv_leak_check():
-    """After every test, every engine's pool must be back to zero used blocks."""
+def kv_leak_check(request):
+    """After every test, every engine's pool must be back to zero used blocks, and nothing else the test
+    made may be left behind: KV on Ray replicas, transport endpoints, threads (`tests/leak_checks.py`)."""
+    from tests.leak_checks import LeakWatch
+
+    watch = LeakWatch(keeps_transports=request.node.get_closest_marker("keeps_transports") is not None)
     yield
+    problems = watch.problems()
     for engine in _ENGINES:
         leaked = {s: len(seq.block_table) for s, seq in engine.runner.sequences.items()}
         used = engine.stats().used
         for s in list(engine.runner.sequences):
             engine.free(s)  # clean up so one leak does not fail every later test
-        assert used == 0, f"KV leak: {used} blocks still used by sequences {leaked}"
+        if used:
+            problems.append(f"KV leak: {used} blocks still used by sequences {leaked}")
+    assert not problems, "leaks: " + "; ".join(problems)

@@ -48,21 +48,26 @@ def test_fork_compose_evict_free_on_a_replica(cluster):
     longer = af.materialize(c, model, CONTEXT + QUESTION)
     exact = af.compose(kv, longer)
     assert exact.exact and exact.token_ids == tuple(CONTEXT + QUESTION)
-    approx = af.compose(kv, af.materialize(c, model, QUESTION * 4), mode="rerotate")
+    question = af.materialize(c, model, QUESTION * 4)
+    approx = af.compose(kv, question, mode="rerotate")
     assert not approx.exact and approx.fidelity.mode == "rerotate"
     af.evict(x)
     assert af.generate(x, QUESTION, 6, ignore_eos=True).token_ids == recompute(kv.replica, CONTEXT + QUESTION, 6)
     af.free(y)
     with pytest.raises(af.KVRefFreedError):
         af.generate(y, QUESTION, 4)
+    for ref in (kv, x, longer, exact, question, approx):
+        af.free(ref)
 
 
 def test_compose_across_replicas_needs_a_transfer(cluster):
     c, model = cluster
     a, b = c.replicas(model)
+    on_a, on_b = af.materialize(c, model, CONTEXT, replica=a), af.materialize(c, model, QUESTION, replica=b)
     with pytest.raises(af.KVLocationError, match="transfer one of them first"):
-        af.compose(af.materialize(c, model, CONTEXT, replica=a), af.materialize(c, model, QUESTION, replica=b),
-                   mode="rerotate")
+        af.compose(on_a, on_b, mode="rerotate")
+    af.free(on_a)
+    af.free(on_b)
 
 
 def test_unserved_model(cluster):
@@ -92,8 +97,10 @@ def test_bad_operator_arguments_raise_clean_errors(cluster):
     with pytest.raises(ValueError, match="fork needs n >= 1") as info:
         af.fork(kv, 0)
     assert not isinstance(info.value, ray.exceptions.RayTaskError)
+    question = af.materialize(c, model, QUESTION)
     with pytest.raises(af.KVComposeError, match=r"r must be a number in \[0, 1\], got 2"):
-        af.compose(kv, af.materialize(c, model, QUESTION), mode="blend", r=2)
+        af.compose(kv, question, mode="blend", r=2)
+    af.free(question)
     with pytest.raises(af.KVLocationError, match="needs a replica handle"):
         af.transfer(kv, "smollm2-1")
     with pytest.raises(af.PromptError, match="outside the vocabulary"):

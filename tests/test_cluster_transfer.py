@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import aaflow as af
-from cluster.transports import available_transports
+from tests.transport_params import transport_params
 
 pytestmark = pytest.mark.smollm2
 
 CONTEXT = ("The Amazon rainforest covers much of the Amazon basin in South America. It spans nine "
            "countries, with the majority in Brazil, and holds an estimated 390 billion trees. ") * 4
 QUESTION = "\nQuestion: which country holds most of the forest? Answer:"
-REMOTE = [name for name, ok in available_transports().items() if ok is True and name != "local"]
+REMOTE = transport_params()  # a transport not installed here is a skip naming its install command
 
 
 @pytest.fixture(scope="module")

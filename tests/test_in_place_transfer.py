@@ -9,10 +9,11 @@ import torch
 
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.errors import KVTransferError
-from cluster.transports import available_transports, get_transport
+from cluster.transports import get_transport
+from tests.transport_params import skip_unless
 from cluster.transports.segments import pair_up
 
-NIXL = pytest.mark.skipif(available_transports().get("nixl") is not True, reason="nixl is not installed")
+NIXL = skip_unless("nixl")
 
 
 def _bytes_at(buffer: torch.Tensor, segments) -> torch.Tensor:

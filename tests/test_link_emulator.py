@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from aaflow.errors import KVTransferError
-from cluster.transports import EmulatedLink, available_transports, get_transport
+from cluster.transports import EmulatedLink, get_transport
 from cluster.transports.emulated import parse_link_spec
+from tests.transport_params import skip_unless
 
 MIB8 = 8 * 2**20
 
@@ -128,7 +129,7 @@ def test_wrong_handle_and_closed_link_raise_typed_errors():
         link.fetch(handle, torch.empty(64, dtype=torch.uint8))
 
 
-@pytest.mark.skipif(available_transports().get("nixl") is not True, reason="nixl not installed")
+@skip_unless("nixl")
 def test_nixl_spec_wraps_a_nixl_transport():
     link = get_transport("nixl@1Gbps,50us")
     try:

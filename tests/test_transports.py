@@ -391,6 +391,7 @@ def test_wrong_size_out_and_foreign_handles_raise_fast(peers):
     source.release(handle)
 
 
+@pytest.mark.keeps_transports  # `reopen` gives the module's source peer a new endpoint
 def test_handle_of_a_closed_source_raises(peers):
     source, destination = peers
     handle = source.expose(TINY, "float32")

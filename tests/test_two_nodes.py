@@ -20,6 +20,7 @@ import aaflow as af
 from tests.cluster_checks import DOC, assert_no_kv_left
 from tests.cluster_checks import fixed_length_chain as chain
 from tests.test_security import _listeners
+from tests.transport_params import skip_unless
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,12 +167,9 @@ def test_every_strategy_gives_the_text_baselines_tokens_across_nodes(two_nodes, 
     assert_no_kv_left(cluster)
 
 
+@skip_unless("nixl")
 def test_nixl_moves_kv_across_nodes_exactly(two_nodes):
     """The same handoff with the NIXL transport (UCX over loopback between the two nodes' actors)."""
-    from cluster.transports import available_transports
-
-    if available_transports().get("nixl") is not True:
-        pytest.skip("NIXL is not usable here")
     cluster, model, *_ = two_nodes
     wf = chain(model)
     baseline = af.run(wf, cluster, strategy="text")

@@ -162,6 +162,10 @@ class Engine(PromptText):
         `kv_segments`), then `seal_kv`, or `free` it. Refuses another model's fingerprint."""
         return self.runner.reserve_kv(fingerprint, list(token_ids), cacheable)
 
+    def check_room(self, num_tokens: int) -> None:
+        """Raise `KVImportError` / `KVCapacityError` if `num_tokens` of KV cannot be imported now."""
+        self.runner.check_room(num_tokens)
+
     def seal_kv(self, seq_id: int) -> None:
         """Mark a reserved sequence's KV written: its full blocks may now serve prefix-cache hits."""
         self.runner.seal_kv(seq_id)

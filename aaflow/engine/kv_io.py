@@ -4,6 +4,8 @@ blocks, cache and layout)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from aaflow.engine.sequence import KVExport, Sequence
@@ -25,6 +27,9 @@ class KVImportExport:
         `cacheable=False` marks approximate KV, which must never serve prefix-cache hits.
         """
         self._check_model(export.fingerprint)
+        self._check_token_ids(export.token_ids)
+        if not isinstance(export.kv, torch.Tensor):
+            raise KVImportError(f"imported KV must be a torch.Tensor, got {type(export.kv).__name__}")
         lay = self.layout
         expected = (lay.num_layers, 2, len(export.token_ids), lay.num_kv_heads, lay.head_dim)
         if tuple(export.kv.shape) != expected:
@@ -45,6 +50,7 @@ class KVImportExport:
         self._check_model(fingerprint)
         if not token_ids:
             raise KVImportError("cannot import an empty KV export")
+        self._check_token_ids(token_ids)
         seq = Sequence(next(self._ids), cacheable=cacheable)
         self._check_positions(seq, len(token_ids))
         self.blocks.check_capacity(self.blocks.blocks_needed(0, len(token_ids)))
@@ -53,10 +59,28 @@ class KVImportExport:
         self.sequences[seq.seq_id] = seq
         return seq.seq_id
 
+    def check_room(self, num_tokens: int) -> None:
+        """Raise before anything is allocated if `num_tokens` of imported KV cannot fit: beyond the
+        model's positions (`KVImportError`) or the pool's free blocks (`KVCapacityError`)."""
+        limit = self.model.config.max_position_embeddings
+        if num_tokens > limit:
+            raise KVImportError(f"incoming KV of {num_tokens} tokens is beyond the model's {limit} positions; "
+                                "the descriptor is damaged or forged")
+        self.blocks.check_capacity(self.blocks.blocks_needed(0, num_tokens))
+
+    def _check_token_ids(self, token_ids) -> None:
+        vocab = self.model.config.vocab_size
+        if not isinstance(token_ids, (list, tuple)):
+            raise KVImportError(f"imported KV's token ids must be a list of ints, got {type(token_ids).__name__}")
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+        if bad:
+            raise KVImportError(f"imported KV's token ids {bad[:5]!r} are not ids of this model's vocabulary "
+                                f"[0, {vocab}); the payload is damaged or of another model: recompute from text")
+
     def _check_model(self, fingerprint: str) -> None:
         if fingerprint != self.fingerprint:
             raise KVImportError(
-                f"KV was computed by model {fingerprint[:16]}..., this engine is "
+                f"KV was computed by model {str(fingerprint)[:16]}..., this engine is "
                 f"{self.fingerprint[:16]}...; recompute from text on this engine instead"
             )
 

@@ -17,7 +17,7 @@ from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
-from aaflow.errors import PromptError, SequenceError
+from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
 
 # A fresh prompt shorter than this is attended in query tiles with each kv head's query heads
 # folded into one call (fixed_attention), faster here than one causal call: 1.16x / 1.10x the
@@ -139,8 +139,9 @@ class KVRunner(KVImportExport):
         token_ids = list(token_ids)
         if not token_ids:
             raise PromptError("cannot prefill an empty list of tokens")
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        bad_chunk = not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+        if chunk_size is not None and bad_chunk:
+            raise InvalidArgumentError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
         self._check_positions(seq, len(token_ids))
         reused = self._reuse_prefix(seq, token_ids) if reuse_prefix else 0
         remaining = token_ids[reused:] if reused else token_ids

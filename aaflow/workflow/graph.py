@@ -10,6 +10,7 @@ Prompt parts are strings, contexts, other agents (their output text), or KV oper
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -111,7 +112,8 @@ class Workflow:
     def context(self, name: str, text: str) -> Ref:
         """A static context (document, guide, shared instructions)."""
         if not isinstance(text, str) or not text:
-            raise WorkflowError(f"context {name!r}: text must be a non-empty string")
+            raise WorkflowError(f"context {name!r}: text must be a non-empty string, got {text!r:.40}")
+        _check_unicode(f"context {name!r}", text)
         return self._add(ContextNode(name, text), "context")
 
     def agent(self, name: str, model: str, prompt: list, system: str | None = None, max_tokens: int = 64,
@@ -121,10 +123,7 @@ class Workflow:
         parts = tuple(self._part(name, p) for p in (prompt if isinstance(prompt, (list, tuple)) else [prompt]))
         if not parts:
             raise WorkflowError(f"agent {name!r}: the prompt is empty")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise WorkflowError(f"agent {name!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise WorkflowError(f"agent {name!r}: temperature must be >= 0 and top_p in (0, 1]")
+        _check_agent_settings(name, model, system, max_tokens, temperature, top_p, seed, unordered, ignore_eos)
         if strategy is not None and strategy not in STRATEGIES:
             raise WorkflowError(f"agent {name!r}: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         node = AgentNode(name, model, parts, system, max_tokens, temperature, top_p, seed, unordered, strategy,
@@ -133,17 +132,23 @@ class Workflow:
 
     def kv_op(self, name: str, op: str, *inputs: Ref, **options) -> Ref:
         """Declare a KV operator node (fork / transfer / compose / evict) over contexts or agents."""
-        if op not in ("fork", "transfer", "compose", "evict"):
+        if not isinstance(op, str) or op not in ("fork", "transfer", "compose", "evict"):
             raise WorkflowError(f"kv op {name!r}: unknown operator {op!r}; use fork, transfer, compose or evict")
+        if not inputs:
+            raise WorkflowError(f"kv op {name!r}: {op} needs at least one input (a context, agent or kv op handle)")
+        if not all(isinstance(i, Ref) for i in inputs):
+            got = next(type(i).__name__ for i in inputs if not isinstance(i, Ref))
+            raise WorkflowError(f"kv op {name!r}: inputs must be handles from wf.context/agent/kv_op, got {got}")
         names = tuple(self._part(name, i).name for i in inputs)
         opts = tuple(sorted((k, str(v)) for k, v in options.items()))
         return self._add(KVOpNode(name, op, names, opts), "kvop")  # type: ignore[arg-type]
 
     def _part(self, owner: str, part) -> Union[str, Ref]:
         if isinstance(part, str):
+            _check_unicode(f"node {owner!r}", part)
             return part
         if isinstance(part, Ref):
-            if part.name not in self.nodes:
+            if not isinstance(part.name, str) or part.name not in self.nodes:
                 raise WorkflowError(f"node {owner!r} refers to unknown node {part.name!r}")
             return part
         raise WorkflowError(f"node {owner!r}: a prompt part must be a string or a node handle, got {type(part).__name__}")
@@ -184,7 +189,12 @@ class Workflow:
         return order
 
     def validate(self, served_models: set[str] | None = None) -> None:
-        """Check the graph before anything runs: cycles, unknown references, unserved models."""
+        """Check the graph before anything runs: prompt parts, cycles, unknown references, unserved models."""
+        for agent in self.agents():
+            for part in agent.prompt:
+                if not (isinstance(part, str) or isinstance(part, Ref) and isinstance(part.name, str)):
+                    raise WorkflowError(f"agent {agent.name!r}: prompt part {part!r:.60} is neither a string nor a "
+                                        "node handle; build prompts with wf.context / wf.agent handles")
         self.topological_order()
         if not self.agents():
             raise WorkflowError(f"workflow {self.name!r} has no agents")
@@ -195,3 +205,37 @@ class Workflow:
                         f"agent {agent.name!r} uses model {agent.model!r}, which the cluster does not serve "
                         f"(served: {sorted(served_models)}); start it with af.init(replicas={{{agent.model!r}: 1}})"
                     )
+
+
+def _check_unicode(owner: str, text: str) -> None:
+    """`WorkflowError` for text no tokenizer can encode (unpaired surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise WorkflowError(f"{owner}: the text is not valid unicode ({exc.reason} at character {exc.start}); "
+                            "remove unpaired surrogates") from exc
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_agent_settings(name, model, system, max_tokens, temperature, top_p, seed, unordered, ignore_eos) -> None:
+    """`WorkflowError` naming the first agent setting of the wrong type or out of range."""
+    if not isinstance(model, str) or not model.strip():
+        raise WorkflowError(f"agent {name!r}: model must be a served model's name (a non-empty string), got {model!r}")
+    if system is not None and not isinstance(system, str):
+        raise WorkflowError(f"agent {name!r}: system must be a string or None, got {type(system).__name__}")
+    if system is not None:
+        _check_unicode(f"agent {name!r}'s system prompt", system)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise WorkflowError(f"agent {name!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
+    if not _is_number(temperature) or temperature < 0:
+        raise WorkflowError(f"agent {name!r}: temperature must be a finite number >= 0, got {temperature!r}")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise WorkflowError(f"agent {name!r}: top_p must be a number in (0, 1], got {top_p!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise WorkflowError(f"agent {name!r}: seed must be an int or None, got {seed!r}")
+    for flag, value in (("unordered", unordered), ("ignore_eos", ignore_eos)):
+        if not isinstance(value, bool):
+            raise WorkflowError(f"agent {name!r}: {flag} must be true or false, got {value!r}")

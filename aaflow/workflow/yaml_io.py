@@ -28,7 +28,7 @@ _AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p"
 
 
 def _unknown(where: str, given: dict, allowed: set[str]) -> None:
-    extra = sorted(set(given) - allowed)
+    extra = sorted(set(given) - allowed, key=repr)  # YAML keys may be numbers, booleans or null
     if extra:
         raise WorkflowError(f"{where}: unknown key {extra[0]!r} (allowed: {', '.join(sorted(allowed))})")
 
@@ -39,17 +39,13 @@ def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
         raise WorkflowError("a workflow YAML must be a mapping with name, contexts and agents")
     _unknown("workflow", raw, _TOP_KEYS)
     wf = Workflow(str(raw.get("name") or "workflow"))
-    for name, value in (raw.get("contexts") or {}).items():
+    contexts = raw.get("contexts") or {}
+    if not isinstance(contexts, dict):
+        raise WorkflowError("contexts must be a mapping of context name -> text or {file: path}")
+    for name, value in contexts.items():
         if isinstance(value, dict):
             _unknown(f"context {name!r}", value, {"file", "text"})
-            if "file" in value:
-                path = Path(value["file"])
-                path = path if path.is_absolute() or base_dir is None else base_dir / path
-                if not path.exists():
-                    raise WorkflowError(f"context {name!r}: file {path} does not exist")
-                value = path.read_text()
-            else:
-                value = value.get("text", "")
+            value = _read_context_file(name, value["file"], base_dir) if "file" in value else value.get("text", "")
         wf.context(name, value)
     agents = raw.get("agents") or {}
     if not isinstance(agents, dict):
@@ -68,7 +64,7 @@ def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
             raise WorkflowError(f"kv op {name!r}: settings must be a mapping with op and inputs")
         _unknown(f"kv op {name!r}", spec, _KVOP_KEYS)
     refs = {n: _refs(n, s["prompt"]) for n, s in agents.items()}
-    refs.update({n: [str(i) for i in _as_list(s.get("inputs") or [])] for n, s in ops.items()})
+    refs.update({n: _input_names(n, s.get("inputs")) for n, s in ops.items()})
     placed: set[str] = set(wf.nodes)
     pending = {**{n: ("agent", s) for n, s in agents.items()}, **{n: ("kvop", s) for n, s in ops.items()}}
     while pending:
@@ -92,10 +88,31 @@ def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
     return wf
 
 
+def _read_context_file(name, file, base_dir: Path | None) -> str:
+    """The text of a context's file (relative to the workflow file); `WorkflowError` if it cannot be read."""
+    if not isinstance(file, str) or not file:
+        raise WorkflowError(f"context {name!r}: file must be a path string, got {file!r}")
+    path = Path(file)
+    path = path if path.is_absolute() or base_dir is None else base_dir / path
+    if not path.is_file():
+        raise WorkflowError(f"context {name!r}: file {path} does not exist or is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkflowError(f"context {name!r}: cannot read {path} as UTF-8 text ({exc})") from exc
+
+
 def _ref(wf: Workflow, name: str) -> Ref:
     node = wf.nodes[name]
     kind = {"ContextNode": "context", "AgentNode": "agent", "KVOpNode": "kvop"}[type(node).__name__]
     return Ref(name, kind)  # type: ignore[arg-type]
+
+
+def _input_names(op: str, inputs) -> list[str]:
+    names = _as_list(inputs if inputs is not None else [])
+    if not all(isinstance(i, str) for i in names):
+        raise WorkflowError(f"kv op {op!r}: inputs must be a list of node names, got {inputs!r}")
+    return names
 
 
 def _as_list(prompt) -> list:
@@ -107,6 +124,8 @@ def _refs(agent: str, prompt) -> list[str]:
     for part in _as_list(prompt):
         if isinstance(part, dict):
             _unknown(f"agent {agent!r} prompt part", part, {"ref"})
+            if not isinstance(part.get("ref"), str):
+                raise WorkflowError(f"agent {agent!r}: a prompt reference must be {{ref: node name}}, got {part!r}")
             refs.append(part["ref"])
         elif not isinstance(part, str):
             raise WorkflowError(f"agent {agent!r}: prompt parts must be strings or {{ref: name}}, got {part!r}")
@@ -119,7 +138,9 @@ def load_workflow(path: str | Path) -> Workflow:
     if not path.exists():
         raise WorkflowError(f"workflow file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkflowError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+    except (yaml.YAMLError, RecursionError) as exc:
         raise WorkflowError(f"{path} is not valid YAML: {exc}") from exc
     return workflow_from_dict(raw, base_dir=path.parent)

@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import time
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,6 +30,14 @@ import torch
 from aaflow.errors import KVTransferError
 
 from .segments import Segments, check_inside, total_nbytes
+
+
+_LIVE: "weakref.WeakSet[Transport]" = weakref.WeakSet()  # every endpoint of this process, for leak checks
+
+
+def open_transports() -> list["Transport"]:
+    """Endpoints of this process that were created and not closed yet (a leak check's view)."""
+    return [t for t in list(_LIVE) if not t._closed]
 
 
 class TransportUnavailableError(KVTransferError):
@@ -92,6 +101,7 @@ class Transport(ABC):
         self.num_registrations = 0
         """Memory registrations this endpoint has made (tests check that fetches reuse them)."""
         self._closed = False
+        _LIVE.add(self)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -64,7 +64,8 @@ class RayStoreTransport(Transport):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        return package_missing("ray")
+        missing = package_missing("ray")
+        return f'{missing}; pip install "ray[default]>=2.60,<2.61"' if missing else None
 
     def expose(self, tensor: torch.Tensor) -> RayHandle:
         fields = self._new_handle_fields(tensor)
