@@ -136,7 +136,7 @@ def test_readme_deploy_example_runs_as_written_with_ray_jobs(head, model, tmp_pa
 
 @pytest.fixture(scope="module")
 def deployment(head, model):
-    cli(head, "up", "--address", head.address, "--replicas", f"{model}=2", "--dtype", "float32", "--kv-cache-mb", "1")
+    cli(head, "up", "--address", head.address, "--replicas", f"{model}=2", "--dtype", "float32", "--kv-cache-bytes", "1MiB")
     cluster = af.connect(head.address)
     yield cluster
     cluster.shutdown()
