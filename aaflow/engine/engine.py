@@ -12,7 +12,7 @@ import torch
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.dtypes import DTYPES, resolve_dtype
 from aaflow.engine.fingerprint import model_fingerprint, weights_digest
-from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes
+from aaflow.engine.kv_budget import in_process_kv_cache_bytes, parse_bytes
 from aaflow.engine.kv_cache import KVLayout
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.outputs import GenerationOutput
@@ -59,8 +59,9 @@ class Engine(PromptText):
                 bfloat16 on CPUs with native bf16 and float32 on the others (`dtypes.resolve_dtype`).
             block_size: tokens per KV block.
             num_blocks: pool size in blocks; default: as many as fit in `kv_cache_bytes`.
-            kv_cache_bytes: the KV pool's size (bytes or "2GiB"); default: a share of this machine's
-                memory, or `AAFLOW_KV_CACHE_BYTES` (`kv_budget.default_kv_cache_bytes`).
+            kv_cache_bytes: the KV pool's size (bytes or "2GiB"); default 256 MiB, or
+                `AAFLOW_KV_CACHE_BYTES` (a cluster's replicas get a share of the machine's memory:
+                `kv_budget.default_kv_cache_bytes`).
             prefix_caching: reuse full blocks of earlier prompts with the same prefix.
             threads: torch intra-op threads (process-wide); None leaves torch's setting.
             deterministic: batch- and chunk-invariant attention: a token's logits do not depend on
@@ -83,7 +84,7 @@ class Engine(PromptText):
             raise ModelNotFoundError(f"{folder}: tokenizer cannot be loaded ({exc})") from exc
         dtype_bytes = torch.empty((), dtype=torch_dtype).element_size()
         if num_blocks is None:
-            kv_cache_bytes = default_kv_cache_bytes() if kv_cache_bytes is None else parse_bytes(kv_cache_bytes)
+            kv_cache_bytes = in_process_kv_cache_bytes() if kv_cache_bytes is None else parse_bytes(kv_cache_bytes)
             num_blocks = max(1, kv_cache_bytes // (config.kv_bytes_per_token(dtype_bytes) * block_size))
         layout = KVLayout(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch_dtype)
         if deterministic is None:

@@ -16,6 +16,7 @@ ENV_VAR = "AAFLOW_KV_CACHE_BYTES"
 MEMORY_FRACTION = 0.10  # of physical memory, for all the replicas of one machine together
 MIN_BYTES = 256 * 2**20
 MAX_BYTES = 8 * 2**30
+IN_PROCESS_BYTES = 256 * 2**20  # an `Engine` built in the caller's process (tests, `aaflow chat`)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -41,6 +42,14 @@ def parse_bytes(value: str | int, what: str = "kv_cache_bytes") -> int:
 
 def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def in_process_kv_cache_bytes() -> int:
+    """The pool of an engine built in the caller's process: `AAFLOW_KV_CACHE_BYTES`, else 256 MiB
+    (a program may build several; replicas get their share of memory, `default_kv_cache_bytes`)."""
+    if os.environ.get(ENV_VAR):
+        return parse_bytes(os.environ[ENV_VAR], ENV_VAR)
+    return IN_PROCESS_BYTES
 
 
 def default_kv_cache_bytes(replicas_here: int = 1) -> int:
