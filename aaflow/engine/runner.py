@@ -19,11 +19,6 @@ from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
 
-# A fresh prompt shorter than this is attended in query tiles with each kv head's query heads
-# folded into one call (fixed_attention), faster here than one causal call: 1.16x / 1.10x the
-# default's prefill at 512 / 2,048 tokens, 0.96x at 4,096 (`aaflow bench engine`, AMD EPYC).
-TILED_PREFILL_MAX = 4096
-
 
 class KVRunner(KVImportExport):
     def __init__(self, model: LlamaModel, layout: KVLayout, fingerprint: str, prefix_caching: bool = True) -> None:
@@ -236,7 +231,7 @@ class KVRunner(KVImportExport):
             self._grow(seq, len(chunk))
         contexts = [seq.slots(0, start + len(chunk), bs) for seq, chunk, start in zip(seqs, chunks, starts)]
         positions = [torch.arange(start, start + len(chunk)) for chunk, start in zip(chunks, starts)]
-        if self.model.deterministic or (len(seqs) == 1 and starts[0] == 0 and len(chunks[0]) < TILED_PREFILL_MAX):
+        if self.model.deterministic:
             batch = FixedBatch(list(zip(contexts, starts)))
         else:
             shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
