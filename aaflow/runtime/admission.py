@@ -53,7 +53,7 @@ class Admission:
         """Reserve room for `agent` on its replica now, or queue it (False)."""
         replica = agent.replica
         queue = self.waiting[replica]
-        if self.gated.get(agent.name) != replica and not queue and (self.fits(agent, replica) or not self.reserved[replica]):
+        if not queue and self._may_admit(agent, replica):
             self._reserve(agent)
             return True
         if agent not in queue:
@@ -93,9 +93,13 @@ class Admission:
         queue = self.waiting[replica]
         if replica in self.scheduler.dead:
             return
-        while queue and self.gated.get(queue[0].name) != replica and (
-                self.fits(queue[0], replica) or not self.reserved[replica]):
+        while queue and self._may_admit(queue[0], replica):
             self._open(queue.pop(0))
+
+    def _may_admit(self, agent: AgentState, replica: str) -> bool:
+        """Not waiting for a release there after a preemption, and it fits (or the replica holds
+        no other reservation)."""
+        return self.gated.get(agent.name) != replica and (self.fits(agent, replica) or not self.reserved[replica])
 
     def _reserve(self, agent: AgentState) -> None:
         blocks = self.blocks(agent, agent.replica)
