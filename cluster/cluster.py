@@ -84,7 +84,7 @@ class Cluster:
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
         kinds = engine_per_model(replicas, engine, engines)  # before Ray starts: vLLM missing fails here
         dtypes = {"builtin": resolve_dtype(dtype), "vllm": "bfloat16" if dtype == "auto" else dtype}
-        self._pg, self._attached = None, False
+        self._pg, self._attached, self.restarts = None, False, restarts
         self._owns_ray = not ray.is_initialized() and address is None
         start_ray(address=address, num_cpus=num_cpus)
         lifetime = {"lifetime": "detached"} if detached else {}
@@ -139,6 +139,7 @@ class Cluster:
         self = cls.__new__(cls)
         self._replicas, self.info, self._pg = list(handles), dict(info), placement
         self._owns_ray, self._attached, self._closed = owns_ray, True, False
+        self.restarts = 0  # a deployment's replicas are not restarted by Ray
         return self
 
     def replicas(self, model: str | None = None) -> list[ReplicaHandle]:

@@ -24,6 +24,7 @@ class RayBackend(Backend):
         self.handles = {r.name: r for r in cluster.replicas()}
         self.start = time.perf_counter()
         self.refs: dict[Ticket, ray.ObjectRef] = {}
+        self.pings: dict[str, ray.ObjectRef] = {}  # lost replica -> a call that answers once it is back
         self._seq = itertools.count()
 
     def replicas(self) -> list[ReplicaInfo]:
@@ -54,3 +55,21 @@ class RayBackend(Backend):
 
     def result(self, ticket: Ticket):
         return call_result(self.refs.pop(ticket), ticket.replica)
+
+    def revived(self, replica: str, timeout_s: float) -> bool:
+        """Ray restarts a replica's actor when the cluster allows restarts; a call submitted while
+        it restarts runs once it is back, so an answered `info` call means it serves again."""
+        if not self.cluster.restarts:
+            return False
+        ping = self.pings.get(replica)
+        if ping is None:
+            ping = self.pings[replica] = self.handles[replica].actor.info.remote()
+        ready, _ = ray.wait([ping], timeout=timeout_s)
+        if not ready:
+            return False
+        del self.pings[replica]
+        try:
+            ray.get(ping)
+        except ray.exceptions.RayActorError:  # still down (or gone for good): ask again later
+            return False
+        return True

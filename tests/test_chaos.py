@@ -23,3 +23,26 @@ def test_workflows_survive_random_replica_kills_with_texts_tokens(tiny_llama_dir
     assert report["kills"] >= 5, report
     assert report["failures"] == [] and report["identical"] == report["runs"], report
     assert all(v == {"sessions": 0, "refs": 0, "used_blocks": 0} for v in report["leftover"].values()), report
+
+
+def test_a_run_waits_for_replicas_that_ray_is_restarting(tiny_llama_dir):
+    """Every replica killed just before a run: it would find none alive; it waits for the restarts
+    and gives text's tokens."""
+    import os
+    import signal
+
+    model = str(tiny_llama_dir)
+    cluster = af.init(replicas={model: 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20, restarts=-1)
+    try:
+        wf = af.Workflow("pair")
+        doc = wf.context("doc", "Restarted replicas hold nothing. " * 4)
+        a = wf.agent("a", model, [doc, "Summarize."], max_tokens=6, ignore_eos=True)
+        wf.agent("b", model, [doc, a, "Shorter."], max_tokens=6, ignore_eos=True)
+        expected = {n: r.token_ids for n, r in af.run(wf, cluster, strategy="text").agents.items()}
+        for pid in replica_processes():
+            os.kill(pid, signal.SIGKILL)
+        res = af.run(wf, cluster, strategy="transfer", call_timeout_s=60)
+        assert {n: r.token_ids for n, r in res.agents.items()} == expected
+        assert any("is back" in e for e in res.events), res.events
+    finally:
+        cluster.shutdown()

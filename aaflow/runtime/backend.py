@@ -68,3 +68,8 @@ class Backend(ABC):
     def result(self, ticket: Ticket):
         """An ended call's value; raises ReplicaLostError when its replica died, else the
         exception the call raised. Called once per ticket."""
+
+    def revived(self, replica: str, timeout_s: float) -> bool:
+        """Whether `replica`, lost earlier, serves again (restarted, holding nothing), waiting up
+        to `timeout_s` to learn it. A backend whose replicas are never restarted: False."""
+        return False

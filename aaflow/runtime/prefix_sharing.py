@@ -25,7 +25,7 @@ class PrefixSharing:
         self.scheduler, self.queues, self.transport = scheduler, scheduler.queues, transport
         self.refs: dict[Prefix, dict[str, str]] = {}  # prefix -> {replica: ref id}
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
-        self.transferring: dict[tuple, tuple | None] = {}  # prefix + (dest,) -> (source, handle, transport)
+        self.transferring: dict[tuple, tuple] = {}  # prefix + (dest,) -> (source, handle or None, transport)
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
@@ -49,10 +49,16 @@ class PrefixSharing:
         waiting.append(agent)
         if len(waiting) > 1:
             return
+        self._fetch(prefix, rname)
+
+    def _fetch(self, prefix: Prefix, rname: str) -> None:
+        """Bring the prefix to `rname`: from a live replica that holds it, else computed there
+        (once: while another replica computes it, `rname` waits to receive it)."""
+        holders = self.refs.setdefault(prefix, {})
         source = next((r for r in self.queues.replicas if r in holders and r not in self.scheduler.dead), None)
         if source is not None:
             self._transfer(prefix, source, rname, holders[source])
-        elif prefix not in self.origin:  # compute it once; other replicas wait to receive it
+        elif prefix not in self.origin:
             self.origin[prefix] = rname
             self._materialize(prefix, rname)
 
@@ -86,7 +92,7 @@ class PrefixSharing:
 
     def _transfer(self, prefix: Prefix, source: str, dest: str, ref_id: str) -> None:
         key = prefix + (dest,)
-        self.transferring[key] = None
+        self.transferring[key] = (source, None, self.transport)  # None: not exposed yet
         handle_of: list = []
 
         def received(res) -> None:
@@ -145,12 +151,14 @@ class PrefixSharing:
         for holders in self.refs.values():
             holders.pop(rname, None)
         self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}
-        for key, pending in list(self.transferring.items()):
-            if key[-1] != rname:
-                continue
-            del self.transferring[key]
-            if pending is not None and pending[0] not in self.scheduler.dead:  # the source still exposes it
-                self.queues.call(pending[0], CallKind.RELEASE, pending[1], pending[2])
+        for key, (source, handle, transport) in list(self.transferring.items()):
+            if key[-1] == rname:
+                del self.transferring[key]
+                if handle is not None and source not in self.scheduler.dead:  # the source still exposes it
+                    self.queues.call(source, CallKind.RELEASE, handle, transport)
+            elif source == rname:  # the source died: the destination gets it another way
+                del self.transferring[key]
+                self._fetch(key[:-1], key[-1])
         for prefix in [p for p, origin in self.origin.items() if origin == rname]:
             del self.origin[prefix]
             for key in [k for k in self.waiters if k[:-1] == prefix]:
@@ -159,9 +167,8 @@ class PrefixSharing:
 
     def transfer_failed(self) -> None:
         """Recompute every prefix in transit where it was going; release what the sources exposed."""
-        for key, pending in list(self.transferring.items()):
+        for key, (source, handle, transport) in list(self.transferring.items()):
             del self.transferring[key]
-            if pending is not None:
-                source, handle, transport = pending
+            if handle is not None:
                 self.queues.call(source, CallKind.RELEASE, handle, transport)
             self._materialize(key[:-1], key[-1])

@@ -1,7 +1,9 @@
 """Fault handling for the scheduler: dead replicas, failed transfers, failed agents.
 
 A replica that dies loses its sessions; every agent it ran starts over from its prompt tokens
-(its lineage) on a live replica, and consumers that had streamed tokens from it start over too.
+(its lineage) on a live replica, and consumers that had streamed tokens from it start over too;
+once Ray has restarted it (empty), it takes agents again, and placement waits for it (bounded)
+when no other replica of the model lives.
 A failed transfer degrades to recomputing the prefix where it was going. A call refused for lack
 of KV blocks preempts: the agents whose prompt it carried (or, for a decode step, the agent placed
 last) close their sessions and start over once something on that replica ends. An agent that
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 
 CLEANUP_TIMEOUT_S = 10.0  # how long closing the sessions of a failed run may take
 MAX_PREEMPTIONS = 50  # an agent preempted this often for lack of KV fails (the pool is too small)
+REVIVE_WAIT_S = 120.0  # how long placement waits for a restarting replica when no other one lives
 
 
 class AgentFailedError(AAFlowError, RuntimeError):
@@ -96,6 +99,35 @@ class Recovery:
         lost = [a for a in s.placed[rname] if a.state != "done"]
         for agent in lost:
             self._restart_with_readers(agent, lost)
+
+    def live_replicas(self, model: str) -> list[str]:
+        """The live replicas of `model`, taking back lost ones that were restarted meanwhile; when
+        none lives, wait (up to REVIVE_WAIT_S) for one to come back."""
+        s = self.scheduler
+        lost = [r.name for r in s.replicas if r.model == model and r.name in s.dead]
+        deadline = s.now() + REVIVE_WAIT_S
+        while True:
+            for rname in [r for r in lost if s.backend.revived(r, 0.0)]:
+                self._revived(rname)
+                lost.remove(rname)
+            alive = [r.name for r in s.replicas if r.model == model and r.name not in s.dead]
+            if alive or not lost or s.now() >= deadline:
+                return alive
+            if s.backend.revived(lost[0], 1.0):
+                self._revived(lost.pop(0))
+            else:
+                lost.append(lost.pop(0))
+
+    def _revived(self, rname: str) -> None:
+        """A lost replica was restarted (empty): it takes agents again; its agents were restarted
+        elsewhere when it died."""
+        s = self.scheduler
+        s.events.append(f"{s.now():.2f}s replica {rname} is back; placing agents on it again")
+        s.dead.discard(rname)
+        s.placed[rname] = [a for a in s.placed[rname] if a.state == "done"]
+        s.load[rname], s.decoding[rname] = 0, []
+        for name in [n for n, r in s.admission.gated.items() if r == rname]:
+            del s.admission.gated[name]
 
     def call_failed(self, ticket: Ticket, exc: BaseException, preempt: bool = True) -> None:
         s = self.scheduler

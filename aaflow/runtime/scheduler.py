@@ -70,7 +70,7 @@ class Scheduler:
     def place(self, agent: AgentState) -> None:
         """The live replica of its model with the least unfinished agents, preferring one that
         holds its prefix, then one with room for its KV, and above all the one a transfer node names."""
-        alive = [r.name for r in self.replicas if r.model == agent.model and r.name not in self.dead]
+        alive = self.recovery.live_replicas(agent.model)
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}")
         holders = self.prefixes.refs.get(agent.prefix_key, {})
