@@ -69,7 +69,17 @@ def _run(args) -> int:
     options = {"deterministic": True} if args.deterministic else {}
     if args.kv_cache_bytes:
         options["kv_cache_bytes"] = args.kv_cache_bytes
-    cluster = af.init(replicas={a.model: args.replicas for a in wf.agents()}, dtype=args.dtype,
+    replicas = args.replicas
+    if replicas == "auto":
+        if engine != "builtin" or engines:
+            raise SystemExit("aaflow run: --replicas auto splits the cores among built-in replicas; give vLLM a count")
+        from aaflow.planning.split import calibrate_splits, choose_split
+
+        calibrate_splits(wf, args.dtype)
+        choice = choose_split(wf, dtype=args.dtype)
+        print(choice.explain())
+        replicas = choice.replicas
+    cluster = af.init(replicas={a.model: replicas for a in wf.agents()}, dtype=args.dtype,
                       engine=engine, engines=engines, **options)
     try:
         res = af.run(wf, cluster, strategy=args.strategy)
@@ -79,6 +89,14 @@ def _run(args) -> int:
         print(f"--- {name} ---\n{agent.text.strip()}\n")
     print(res.summary())
     return 0
+
+
+def _replicas_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"replicas must be a count >= 1 or auto, got {value!r}")
+    return int(value)
 
 
 def parse_engines(values: list[str]) -> tuple[str, dict[str, str]]:
@@ -247,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("workflow")
     run.add_argument("--strategy", default="auto",
                      choices=STRATEGIES)
-    run.add_argument("--replicas", type=int, default=2)
+    run.add_argument("--replicas", type=_replicas_arg, default=2,
+                     help="replicas per model, or auto: the split of this machine's cores the planner predicts "
+                          "fastest for this workflow (built-in engine)")
     run.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",
                      help="builtin (default) or vllm, for every model or one: --engine smollm2=vllm (repeatable; "

@@ -130,6 +130,25 @@ def _measure_all(args, workflows: dict, strategies: list[str], replicas: int) ->
     return out
 
 
+def split_choices(workflows: dict, report: dict, replicas: int, dtype: str) -> dict:
+    """Per workflow: the planner's predicted makespan for each split of the cores (`aaflow run
+    --replicas auto`), `auto`'s measured wall time on each, and whether it chose the faster one."""
+    from aaflow.planning.split import calibrate_splits, choose_split
+
+    measured = {replicas: report["workflows"], **{int(n): d for n, d in report.get("deployments", {}).items()}}
+    out = {}
+    for name, wf in workflows.items():
+        calibrate_splits(wf, dtype, progress=log)
+        choice = choose_split(wf, dtype=dtype)
+        walls = {n: m[name]["auto"]["wall_s"] for n, m in measured.items() if "auto" in m.get(name, {})}
+        faster = min(walls, key=walls.get)
+        out[name] = {"predicted_s": choice.predicted_s, "measured_auto_s": walls, "chosen": choice.replicas,
+                     "faster": faster, "regret": walls.get(choice.replicas, float("nan")) / walls[faster] - 1}
+        log(f"split {name}: chose {choice.replicas} replica(s) (predicted {choice.predicted_s}); "
+            f"auto measured {walls}: {'right' if choice.replicas == faster else 'WRONG'}")
+    return out
+
+
 def run(args) -> dict:
     import aaflow as af
     from benchmarks.workflow_bench import _pair_workflow
@@ -160,6 +179,8 @@ def run(args) -> dict:
         report["workflows"] = _measure_all(args, workflows, strategies, args.replicas)
         for n in args.also_replicas:  # the same cores split otherwise: text and auto only
             report.setdefault("deployments", {})[str(n)] = _measure_all(args, workflows, ["text", "auto"], n)
+        if args.also_replicas:
+            report["split"] = split_choices(workflows, report, args.replicas, args.dtype)
         if args.vllm and VLLM_PYTHON.exists():
             report["vllm"] = vllm_workflows(workflows, args.repeats, args.vllm_timeout_s)
             for name, v in report["vllm"].items():
