@@ -22,6 +22,7 @@ import threading
 import time
 
 from benchmarks.common import log, machine_facts, write_json
+from benchmarks.soak_bench import object_store_usage
 
 
 def replica_processes() -> dict[int, str]:
@@ -131,7 +132,7 @@ def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: i
         killer.thread.join()
     return {"runs": runs, "identical": identical, "failures": failures, "kills": len(killer.kills),
             "kills_by_call": {k: killer.kills.count(k) for k in sorted(set(killer.kills))},
-            "longest_run_s": longest, "leftover": leftover_kv(cluster)}
+            "longest_run_s": longest, "leftover": leftover_kv(cluster), "object_store": object_store_usage()}
 
 
 def leftover_kv(cluster, wait_s: float = 120.0) -> dict:
@@ -171,7 +172,7 @@ def run(args) -> dict:
                    "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}})
     log(f"chaos: {report['kills']} kills {report['kills_by_call']}; {report['identical']}/{report['runs']} runs "
         f"identical to text, {len(report['failures'])} failed; longest run {report['longest_run_s']:.1f} s; "
-        f"left over: {report['leftover']}")
+        f"left over: {report['leftover']}; object store {report['object_store']}")
     write_json(args.out, report)
     return report
 

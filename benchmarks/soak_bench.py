@@ -25,7 +25,8 @@ from benchmarks.common import log, machine_facts, write_json
 STRATEGIES = ["text", "recompute", "transfer", "stream", "auto"]
 
 
-def _object_store() -> dict:
+def object_store_usage() -> dict:
+    """Plasma MiB and objects held now, as `ray memory --stats-only` reports them."""
     import ray
     from ray._private.internal_api import memory_summary
 
@@ -51,7 +52,7 @@ def snapshot(cluster) -> dict:
         stats, sessions = ray.get([r.actor.stats.remote(), r.actor.session_count.remote()])
         replicas[r.name] = {"used_blocks": stats["used_blocks"], "refs": stats["refs"], "sessions": sessions,
                             **_process(cluster.info[r.name]["pid"])}
-    return {"replicas": replicas, "driver": _process(os.getpid()), "object_store": _object_store()}
+    return {"replicas": replicas, "driver": _process(os.getpid()), "object_store": object_store_usage()}
 
 
 def operator_cycle(cluster, model: str, i: int, transport: str) -> None:

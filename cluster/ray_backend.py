@@ -56,11 +56,11 @@ class RayBackend(Backend):
     def result(self, ticket: Ticket):
         return call_result(self.refs.pop(ticket), ticket.replica)
 
-    def revived(self, replica: str, timeout_s: float) -> bool:
+    def revived(self, replica: str, timeout_s: float) -> bool | None:
         """Ray restarts a replica's actor when the cluster allows restarts; a call submitted while
         it restarts runs once it is back, so an answered `info` call means it serves again."""
         if not self.cluster.restarts:
-            return False
+            return None
         ping = self.pings.get(replica)
         if ping is None:
             ping = self.pings[replica] = self.handles[replica].actor.info.remote()
@@ -70,6 +70,9 @@ class RayBackend(Backend):
         del self.pings[replica]
         try:
             ray.get(ping)
-        except ray.exceptions.RayActorError:  # still down (or gone for good): ask again later
+        except ray.exceptions.ActorDiedError:  # its restarts ran out
+            return None
+        except ray.exceptions.RayActorError:  # still down: ask again later (not at once)
+            time.sleep(min(timeout_s, 0.2))
             return False
         return True

@@ -23,6 +23,7 @@ def test_workflows_survive_random_replica_kills_with_texts_tokens(tiny_llama_dir
     assert report["kills"] >= 5, report
     assert report["failures"] == [] and report["identical"] == report["runs"], report
     assert all(v == {"sessions": 0, "refs": 0, "used_blocks": 0} for v in report["leftover"].values()), report
+    assert report["object_store"].get("objects") == 0, report
 
 
 def test_a_run_waits_for_replicas_that_ray_is_restarting(tiny_llama_dir):

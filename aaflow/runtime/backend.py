@@ -69,7 +69,8 @@ class Backend(ABC):
         """An ended call's value; raises ReplicaLostError when its replica died, else the
         exception the call raised. Called once per ticket."""
 
-    def revived(self, replica: str, timeout_s: float) -> bool:
+    def revived(self, replica: str, timeout_s: float) -> bool | None:
         """Whether `replica`, lost earlier, serves again (restarted, holding nothing), waiting up
-        to `timeout_s` to learn it. A backend whose replicas are never restarted: False."""
-        return False
+        to `timeout_s` to learn it: True, False (not yet) or None (it never will: this backend's
+        replicas are not restarted, or its restarts ran out)."""
+        return None

@@ -36,6 +36,7 @@ class Recovery:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.preempted: dict[str, int] = {}  # agent -> times preempted
+        self.gone: set[str] = set()  # dead replicas that will not be restarted
 
     def cleanup(self) -> None:
         """After a failure: close every session still open on a live replica (bounded wait)."""
@@ -104,19 +105,22 @@ class Recovery:
         """The live replicas of `model`, taking back lost ones that were restarted meanwhile; when
         none lives, wait (up to REVIVE_WAIT_S) for one to come back."""
         s = self.scheduler
-        lost = [r.name for r in s.replicas if r.model == model and r.name in s.dead]
+        lost = [r.name for r in s.replicas if r.model == model and r.name in s.dead and r.name not in self.gone]
         deadline = s.now() + REVIVE_WAIT_S
+        timeout = 0.0  # a first look without waiting
         while True:
-            for rname in [r for r in lost if s.backend.revived(r, 0.0)]:
-                self._revived(rname)
-                lost.remove(rname)
+            for rname in list(lost):
+                back = s.backend.revived(rname, timeout / max(1, len(lost)))
+                if back is None:
+                    self.gone.add(rname)
+                if back is not False:
+                    lost.remove(rname)
+                if back:
+                    self._revived(rname)
             alive = [r.name for r in s.replicas if r.model == model and r.name not in s.dead]
             if alive or not lost or s.now() >= deadline:
                 return alive
-            if s.backend.revived(lost[0], 1.0):
-                self._revived(lost.pop(0))
-            else:
-                lost.append(lost.pop(0))
+            timeout = 1.0
 
     def _revived(self, rname: str) -> None:
         """A lost replica was restarted (empty): it takes agents again; its agents were restarted
