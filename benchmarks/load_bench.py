@@ -55,7 +55,8 @@ def run(args) -> dict:
     if args.quick:
         args.workflows, args.threads = 16, 4
     workflows = [small_workflow(i, args.context_tokens, args.max_tokens) for i in range(args.workflows)]
-    cluster = af.init(replicas={"smollm2": args.replicas}, dtype=args.dtype, deterministic=True)
+    pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
+    cluster = af.init(replicas={"smollm2": args.replicas}, dtype=args.dtype, deterministic=True, **pool)
     report = {"benchmark": "load", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}}
     try:
@@ -111,5 +112,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-tokens", type=int, default=500)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE",
+                   help="KV pool per replica, e.g. 96MiB: small enough that admission must queue and preempt "
+                        "(default: the machine's share)")
     add_dtype_argument(p)
     p.add_argument("--out", default="results/load.json")
