@@ -28,13 +28,13 @@ import sys
 import time
 
 from benchmarks.common import log, machine_facts, write_json
-from benchmarks.crossover_bench import QUESTION, _context, _ttft_recompute, crossover, predicted_ttft
+from benchmarks.crossover_bench import QUESTION, _context, _ttft_recompute, bisect_bandwidth, crossover, predicted_ttft
 
-DEFAULT_MBPS = [100, 300, 1000, 10000]
+DEFAULT_MBPS = [25, 50, 100, 300, 1000, 10000]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="C=1024, 100/1000/10000 Mbps, two repeats")
+    p.add_argument("--quick", action="store_true", help="C=1024, 50/1000/10000 Mbps, two repeats")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="context lengths (default 512 2048)")
     p.add_argument("--mbps", type=float, nargs="+", default=None, help=f"link rates (default {DEFAULT_MBPS})")
     p.add_argument("--transports", nargs="+", default=None, help="default: ray, nixl, ucx where installed")
@@ -54,7 +54,7 @@ def run(args) -> dict:
         return {"benchmark": "netns-crossover", "skipped": why}
     ready = available_transports()
     settings = {"tokens": args.tokens or ([1024] if args.quick else [512, 2048]),
-                "mbps": args.mbps or ([100, 1000, 10000] if args.quick else DEFAULT_MBPS),
+                "mbps": args.mbps or ([50, 1000, 10000] if args.quick else DEFAULT_MBPS),
                 "transports": args.transports or [t for t in ("ray", "nixl", "ucx") if ready.get(t) is True],
                 "model": args.model, "repeats": 2 if args.quick else args.repeats,
                 "out": os.path.abspath(args.out)}
@@ -97,8 +97,6 @@ def _series(link_bw: float, ceiling: float) -> float:
 def predicted_crossover(profile, compute, kv_bytes: int, tokens: int, base) -> float | None:
     """The link throughput (bytes/s) where predicted transfer meets recompute, the link in series
     with the transport's ceiling `base` (bisection), or None where it does not cross in 0.1 MB/s..1 TB/s."""
-    import math
-
     from costmodel.hardware import LinkProfile
 
     def gap(bw: float) -> float:
@@ -106,13 +104,7 @@ def predicted_crossover(profile, compute, kv_bytes: int, tokens: int, base) -> f
         t, r = predicted_ttft(profile, compute, kv_bytes, tokens, link)
         return t - r
 
-    lo, hi = 1e5, 1e12
-    if gap(lo) <= 0 or gap(hi) >= 0:
-        return None
-    for _ in range(60):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if gap(mid) > 0 else (lo, mid)
-    return math.sqrt(lo * hi)
+    return bisect_bandwidth(gap, 1e5, 1e12)
 
 
 def inside(settings: dict) -> dict:

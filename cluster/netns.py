@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -203,6 +204,7 @@ class NetnsTestbed:
         """Make the namespaces, links, addresses and qdiscs, then the Ray nodes. Cleans up and raises
         `NetnsError` where a step fails."""
         atexit.register(self.close)
+        self._on_sigterm()
         try:
             self._make_network()
             set_rate(self.layout, self._rate)
@@ -212,6 +214,17 @@ class NetnsTestbed:
             self.close()
             raise
         return self
+
+    def _on_sigterm(self) -> None:
+        """In the main thread, where SIGTERM would end the process without running `atexit`: make
+        it raise SystemExit instead, so that `close()` still runs (restored by `close()`)."""
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def _exit(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit)
 
     def _make_network(self) -> None:
         hub = self.layout.hub
@@ -287,6 +300,8 @@ class NetnsTestbed:
         self._made = []
         shutil.rmtree(self._temp, ignore_errors=True)
         atexit.unregister(self.close)
+        if getattr(self, "_old_sigterm", None) is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
 
     def _netns_pids(self) -> list[int]:
         pids: set[int] = set()
