@@ -197,7 +197,7 @@ def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Clus
     """Start (or join, with `address`) a Ray cluster and load `replicas` = {model: count}.
 
     Local Ray binds 127.0.0.1 only. Keyword arguments go to `Cluster` (dtype, num_cpus,
-    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, restarts, and
+    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, restarts, actor_env, and
     built-in engine settings such as kv_cache_bytes: each built-in replica's KV pool, by default 10%
     of this machine's memory shared by the built-in replicas, or $AAFLOW_KV_CACHE_BYTES;
     `aaflow.engine.kv_budget`).

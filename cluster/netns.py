@@ -231,7 +231,7 @@ class NetnsTestbed:
         _sh("ip", "netns", "add", hub)
         self._made.append(hub)
         _sh("ip", "-n", hub, "link", "add", f"{PREFIX}br", "type", "bridge")
-        _sh("ip", "-n", hub, "link", "set", f"{PREFIX}br", "up")
+        _up(hub, f"{PREFIX}br")
         for h in self.layout.hosts:
             _sh("ip", "netns", "add", h.netns)
             self._made.append(h.netns)
@@ -239,9 +239,9 @@ class NetnsTestbed:
             _sh("ip", "link", "add", "name", h.device, "netns", h.netns, "type", "veth", "peer", "name", port,
                 "netns", hub)
             _sh("ip", "-n", hub, "link", "set", port, "master", f"{PREFIX}br")
-            _sh("ip", "-n", hub, "link", "set", port, "up")
+            _up(hub, port)
             _sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.device)
-            _sh("ip", "-n", h.netns, "link", "set", h.device, "up")
+            _up(h.netns, h.device)
             _sh("ip", "-n", h.netns, "link", "set", "lo", "up")
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -282,7 +282,7 @@ class NetnsTestbed:
         if self._closed:
             return
         self._closed = True
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             alive = [g for g in self._groups if _group_alive(g)]
             for g in alive:
                 try:
@@ -329,6 +329,13 @@ class NetnsTestbed:
             out, err = proc.communicate()
             raise NetnsError(f"{argv[:3]} in host {host} ran past {timeout_s:.0f} s:\n{err[-2000:]}")
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _up(netns: str, dev: str) -> None:
+    """Bring `dev` up without an IPv6 link-local address (none of its neighbour discovery traffic):
+    the only addresses on the link are the testbed's own."""
+    _sh("ip", "-n", netns, "link", "set", "dev", dev, "addrgenmode", "none")
+    _sh("ip", "-n", netns, "link", "set", "dev", dev, "up")
 
 
 def _group_alive(group: int) -> bool:
