@@ -113,7 +113,8 @@ def inside(settings: dict) -> dict:
 
     import aaflow as af
     from aaflow.calibration import calibrate, model_key
-    from cluster.netns import DEVICE, Layout, measure_link, set_rate
+    from cluster.netns import DEVICE, Layout, set_rate
+    from cluster.netns_link import measure_link
     from costmodel.hardware import LinkProfile
 
     layout = Layout.from_json(os.environ["AAFLOW_NETNS_LAYOUT"])

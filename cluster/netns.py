@@ -8,11 +8,12 @@ crosses a real TCP/IP link of that bandwidth. Nothing is created in the machine'
 namespaces have no route anywhere else, and deleting them removes their links and qdiscs.
 
 With `ray=True` it runs a Ray node in each namespace (`ray start --head` in host 0, `ray start
---address` in the others, each with its own temp dir, bound to its namespace address), and code
-that should reach the cluster runs inside a host with `testbed.popen(0, argv)` / `testbed.run(...)`
+--address` in the others, each with its own temp dir and `--node-ip-address` its namespace address;
+its servers listen on every interface of a namespace that has only loopback and that address), and
+code that should reach the cluster runs inside a host with `testbed.popen(0, argv)` / `testbed.run(...)`
 (`ip netns exec`). `close()` (or leaving the `with` block, or exit) kills the process groups it
 started and deletes the namespaces, even after an error. `available()` says whether this machine
-can do any of this, and why not.
+can do any of this, and why not; `cluster.netns_link.measure_link` a link's achieved throughput.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class NetnsError(AAFlowError, RuntimeError):
     """A namespace, link, qdisc or Ray node of the testbed could not be made; the message says which."""
 
 
-def _sh(*argv: str, timeout: float = 30.0) -> str:
+def checked(*argv: str, timeout: float = 30.0) -> str:
+    """Run `argv`; its stdout, or `NetnsError` with its stderr where it fails."""
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise NetnsError(f"`{' '.join(argv)}` failed ({out.returncode}): {out.stderr.strip()[-500:]}")
@@ -61,13 +63,13 @@ def available() -> tuple[bool, str]:
             return False, f"`{tool}` (iproute2) is not installed"
     probe = f"{PREFIX}-{os.getpid()}-probe"
     try:
-        _sh("ip", "netns", "add", probe)
+        checked("ip", "netns", "add", probe)
         try:
-            _sh("ip", "-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b")
-            _sh("tc", "-n", probe, "qdisc", "add", "dev", "a", "root", "tbf", "rate", "100mbit", "burst", "64kb",
+            checked("ip", "-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b")
+            checked("tc", "-n", probe, "qdisc", "add", "dev", "a", "root", "tbf", "rate", "100mbit", "burst", "64kb",
                 "latency", "50ms")
         finally:
-            _sh("ip", "netns", "del", probe)
+            checked("ip", "netns", "del", probe)
     except (NetnsError, OSError, subprocess.TimeoutExpired) as exc:
         return False, f"cannot make a namespace with a veth link and a tbf qdisc here: {exc}"
     return True, ""
@@ -111,55 +113,8 @@ def set_rate(layout: Layout, rate_mbit: float | None) -> None:
         subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
         if rate_mbit is not None:
             burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 2e-3))
-            _sh("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
+            checked("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
                 "burst", str(burst), "latency", "50ms")
-
-
-_SINK = """
-import socket, sys
-srv = socket.create_server((sys.argv[1], 0))
-print(srv.getsockname()[1], flush=True)
-conn, _ = srv.accept()
-left, buf = int(sys.argv[2]), bytearray(1 << 20)
-while left > 0:
-    n = conn.recv_into(buf, min(len(buf), left))
-    if not n:
-        break
-    left -= n
-conn.sendall(b"k")
-"""
-
-_SOURCE = """
-import socket, sys, time
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-left, chunk = int(sys.argv[3]), memoryview(bytearray(4 << 20))
-t0 = time.perf_counter()
-while left > 0:
-    conn.sendall(chunk[:min(len(chunk), left)])
-    left -= min(len(chunk), left)
-conn.recv(1)
-print(time.perf_counter() - t0)
-"""
-
-
-def measure_link(layout: Layout, src: int, dst: int, nbytes: int = 64 << 20, timeout_s: float = 120.0) -> float:
-    """Bytes/s of one bulk TCP stream from host `src` to host `dst` over the testbed's link (a sink
-    listening on `dst`'s address, a source sending `nbytes` and waiting for its acknowledgement)."""
-    py = sys.executable
-    sink = subprocess.Popen(netns_argv(layout.hosts[dst].netns, [py, "-c", _SINK, layout.hosts[dst].address,
-                                                                   str(nbytes)]),
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        port = sink.stdout.readline().strip()
-        if not port.isdigit():
-            raise NetnsError(f"the link sink in {layout.hosts[dst].netns} did not start")
-        out = _sh(*netns_argv(layout.hosts[src].netns, [py, "-c", _SOURCE, layout.hosts[dst].address, port,
-                                                         str(nbytes)]), timeout=timeout_s)
-        return nbytes / float(out.strip())
-    finally:
-        if sink.poll() is None:
-            os.killpg(sink.pid, signal.SIGKILL)
-        sink.wait()
 
 
 def netns_argv(netns: str, argv: list[str]) -> list[str]:
@@ -228,21 +183,21 @@ class NetnsTestbed:
 
     def _make_network(self) -> None:
         hub = self.layout.hub
-        _sh("ip", "netns", "add", hub)
+        checked("ip", "netns", "add", hub)
         self._made.append(hub)
-        _sh("ip", "-n", hub, "link", "add", f"{PREFIX}br", "type", "bridge")
+        checked("ip", "-n", hub, "link", "add", f"{PREFIX}br", "type", "bridge")
         _up(hub, f"{PREFIX}br")
         for h in self.layout.hosts:
-            _sh("ip", "netns", "add", h.netns)
+            checked("ip", "netns", "add", h.netns)
             self._made.append(h.netns)
             port = f"{PREFIX}p{h.index}"
-            _sh("ip", "link", "add", "name", h.device, "netns", h.netns, "type", "veth", "peer", "name", port,
+            checked("ip", "link", "add", "name", h.device, "netns", h.netns, "type", "veth", "peer", "name", port,
                 "netns", hub)
-            _sh("ip", "-n", hub, "link", "set", port, "master", f"{PREFIX}br")
+            checked("ip", "-n", hub, "link", "set", port, "master", f"{PREFIX}br")
             _up(hub, port)
-            _sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.device)
+            checked("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.device)
             _up(h.netns, h.device)
-            _sh("ip", "-n", h.netns, "link", "set", "lo", "up")
+            checked("ip", "-n", h.netns, "link", "set", "lo", "up")
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of processes inside the testbed: this checkout on PYTHONPATH, this
@@ -334,8 +289,8 @@ class NetnsTestbed:
 def _up(netns: str, dev: str) -> None:
     """Bring `dev` up without an IPv6 link-local address (none of its neighbour discovery traffic):
     the only addresses on the link are the testbed's own."""
-    _sh("ip", "-n", netns, "link", "set", "dev", dev, "addrgenmode", "none")
-    _sh("ip", "-n", netns, "link", "set", "dev", dev, "up")
+    checked("ip", "-n", netns, "link", "set", "dev", dev, "addrgenmode", "none")
+    checked("ip", "-n", netns, "link", "set", "dev", dev, "up")
 
 
 def _group_alive(group: int) -> bool:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.netns import PREFIX, NetnsTestbed, available, leftovers, measure_link
+from cluster.netns import PREFIX, NetnsTestbed, available, leftovers
+from cluster.netns_link import measure_link
 from tests.transport_params import REMOTE_TRANSPORTS, transport_params, unavailable
 
 RATE_MBIT = 200
