@@ -195,9 +195,12 @@ def _plot(report: dict, json_path: str) -> None:
 
     panels = []
     for i, n in enumerate(report["settings"]["tokens"]):
-        xs = [r["link_bytes_per_s"] * 8 / 1e6 for r in report["rates"]]
+        xs = [round(r["link_bytes_per_s"] * 8 / 1e6) for r in report["rates"]]
         rows = [r["contexts"][i] for r in report["rates"]]
-        series = {"recompute, measured": dict(zip(xs, (r["recompute_ttft_s"] for r in rows)))}
+        first = report["settings"]["transports"][0]
+        series = {"recompute, measured": dict(zip(xs, (r["recompute_ttft_s"] for r in rows))),
+                  "recompute, predicted": dict(zip(xs, (r["transports"][first]["predicted_recompute_ttft_s"]
+                                                        for r in rows)))}
         for t in report["settings"]["transports"]:
             series[f"{t}, measured"] = dict(zip(xs, (r["transports"][t]["transfer_ttft_s"] for r in rows)))
             series[f"{t}, predicted"] = dict(zip(xs, (r["transports"][t]["predicted_transfer_ttft_s"] for r in rows)))

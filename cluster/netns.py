@@ -19,6 +19,7 @@ can do any of this, and why not; `cluster.netns_link.measure_link` a link's achi
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ DEVICE = "aafnsv"  # the host side of each link, the same name inside every host
 SUBNET = "10.231.0"  # /24, exists only inside the testbed's namespaces
 RAY_PORT = 6379  # each namespace has its own ports: no clash with a Ray outside it
 REPO = Path(__file__).resolve().parents[1]
+_SERIAL = itertools.count()  # testbeds made by this process: their names never clash
 
 
 class NetnsError(AAFlowError, RuntimeError):
@@ -67,7 +69,7 @@ def available() -> tuple[bool, str]:
         try:
             checked("ip", "-n", probe, "link", "add", "name", "a", "type", "veth", "peer", "name", "b")
             checked("tc", "-n", probe, "qdisc", "add", "dev", "a", "root", "tbf", "rate", "100mbit", "burst", "64kb",
-                "latency", "50ms")
+                    "latency", "50ms")
         finally:
             checked("ip", "netns", "del", probe)
     except (NetnsError, OSError, subprocess.TimeoutExpired) as exc:
@@ -114,7 +116,7 @@ def set_rate(layout: Layout, rate_mbit: float | None) -> None:
         if rate_mbit is not None:
             burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 2e-3))
             checked("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit:g}mbit",
-                "burst", str(burst), "latency", "50ms")
+                    "burst", str(burst), "latency", "50ms")
 
 
 def netns_argv(netns: str, argv: list[str]) -> list[str]:
@@ -137,15 +139,20 @@ class NetnsTestbed:
                  ray_timeout_s: float = 120.0) -> None:
         if not 2 <= hosts <= 8:
             raise ValueError(f"hosts must be 2..8, got {hosts}")
-        self._tag = f"{PREFIX}-{os.getpid()}"
+        self._tag = f"{PREFIX}-{os.getpid()}-{next(_SERIAL)}"
         self.layout = Layout(tuple(Host(i, f"{self._tag}-{i}", f"{SUBNET}.{i + 1}") for i in range(hosts)),
                              f"{self._tag}-hub", None)
         self._rate, self._ray, self._cpus, self._store = rate_mbit, ray, node_cpus, object_store_bytes
         self._extra_env, self._ray_timeout_s = dict(env or {}), ray_timeout_s
         self._groups: list[int] = []  # process groups started here
-        self._temp = Path(tempfile.mkdtemp(prefix=f"{self._tag}-", dir="/tmp"))
+        self._temp: Path | None = None
         self._made: list[str] = []
         self._closed = False
+
+    @property
+    def temp_dir(self) -> Path | None:
+        """The Ray nodes' temp dirs live below it (None before `start`); `close()` removes it."""
+        return self._temp
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "NetnsTestbed":
@@ -160,6 +167,7 @@ class NetnsTestbed:
         `NetnsError` where a step fails."""
         atexit.register(self.close)
         self._on_sigterm()
+        self._temp = Path(tempfile.mkdtemp(prefix=f"{self._tag}-", dir="/tmp"))  # Ray's, short: socket paths
         try:
             self._make_network()
             set_rate(self.layout, self._rate)
@@ -192,7 +200,7 @@ class NetnsTestbed:
             self._made.append(h.netns)
             port = f"{PREFIX}p{h.index}"
             checked("ip", "link", "add", "name", h.device, "netns", h.netns, "type", "veth", "peer", "name", port,
-                "netns", hub)
+                    "netns", hub)
             checked("ip", "-n", hub, "link", "set", port, "master", f"{PREFIX}br")
             _up(hub, port)
             checked("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.device)
@@ -253,7 +261,8 @@ class NetnsTestbed:
         for netns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         self._made = []
-        shutil.rmtree(self._temp, ignore_errors=True)
+        if self._temp is not None:
+            shutil.rmtree(self._temp, ignore_errors=True)
         atexit.unregister(self.close)
         if getattr(self, "_old_sigterm", None) is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)

@@ -87,7 +87,7 @@ def test_teardown_leaves_no_namespace_link_or_process(testbed):
     pids = {int(p) for ns in namespaces for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
                                                                   text=True).stdout.split()}
     assert pids, "the Ray nodes should be running inside the namespaces"
-    temp = testbed._temp
+    temp = testbed.temp_dir
     testbed.close()
     assert leftovers() == []
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
