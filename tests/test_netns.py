@@ -73,6 +73,14 @@ def test_the_testbed_listens_only_on_addresses_it_made(testbed):
     assert len(ours) == 2
 
 
+def test_three_hosts_reach_each_other_at_the_rate_without_ray():
+    with NetnsTestbed(hosts=3, rate_mbit=100, ray=False) as bed:
+        mbit = {(a, b): measure_link(bed.layout, a, b, 2 << 20) * 8 / 1e6 for a, b in ((0, 2), (2, 1))}
+        assert all(60 <= m <= 110 for m in mbit.values()), f"tbf 100 Mbit/s, measured {mbit}"
+    names = {h.netns for h in bed.layout.hosts} | {bed.layout.hub}
+    assert not names & set(leftovers()), f"left behind: {names & set(leftovers())}"
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
