@@ -19,6 +19,7 @@ BENCHMARKS = {
     "workflow": "benchmarks.workflow_bench",
     "compose": "benchmarks.compose_bench",
     "crossover": "benchmarks.crossover_bench",
+    "netns-crossover": "benchmarks.netns_crossover",
     "planner": "benchmarks.planner_bench",
     "scaling": "benchmarks.scaling_bench",
     "overhead": "benchmarks.overhead_bench",

@@ -75,7 +75,12 @@ def predicted_crossover(profile, compute, kv_bytes_per_token: int, tokens: int, 
         t, r = predicted_ttft(profile, compute, kv_bytes_per_token, tokens, link)
         return t - r
 
-    lo, hi = 1e5, base.bandwidth_bytes_per_s
+    return bisect_bandwidth(gap, 1e5, base.bandwidth_bytes_per_s)
+
+
+def bisect_bandwidth(gap, lo: float, hi: float) -> float | None:
+    """The bandwidth in [lo, hi] where `gap(bandwidth)` (transfer minus recompute seconds, falling
+    with bandwidth) changes sign, by bisection in log bandwidth; None where it does not in range."""
     if gap(lo) <= 0 or gap(hi) >= 0:
         return None
     for _ in range(60):

@@ -39,13 +39,16 @@ def _is_loopback(address: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
-def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None):
-    """Join `address`, or start a local Ray bound to 127.0.0.1 with no dashboard (nothing on 0.0.0.0)."""
+def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None,
+              actor_env: dict[str, str] | None = None):
+    """Join `address`, or start a local Ray bound to 127.0.0.1 with no dashboard (nothing on 0.0.0.0).
+    `actor_env` overrides `ACTOR_ENV` for the actors (e.g. UCX_NET_DEVICES of a real link); it has no
+    effect where Ray already runs in this process."""
     import ray
 
     if ray.is_initialized():
         return ray
-    env = {"env_vars": dict(ACTOR_ENV)}
+    env = {"env_vars": {**ACTOR_ENV, **(actor_env or {})}}
     if address is not None:
         if _is_loopback(address):
             # Without this, Ray rewrites "127.0.0.1:port" to this machine's routable address and the

@@ -65,13 +65,15 @@ class Cluster:
     (bf16 where this CPU has native bf16, else fp32: `aaflow.engine.dtypes`); vLLM replicas get bf16.
     `detached=True` (what `aaflow up` uses) names the replica actors `replica:<name>` in the Ray
     namespace `aaflow` and lets them and their placement group outlive this process.
+    `actor_env` replaces the replicas' loopback settings where Ray starts here (`cluster.actors.
+    ACTOR_ENV`), e.g. `{"UCX_NET_DEVICES": "eth1", "UCX_TLS": "tcp"}` for NIXL/UCX across hosts.
     """
 
     def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "auto",
                  num_cpus: int | None = None, placement_timeout_s: float = 60.0, load_timeout_s: float = 300.0,
                  placement_strategy: str = "PACK", engine: str = "builtin", engines: dict[str, str] | None = None,
                  vllm_options: dict | None = None, restarts: int = 0, detached: bool = False,
-                 **engine_kwargs) -> None:
+                 actor_env: dict[str, str] | None = None, **engine_kwargs) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -86,7 +88,7 @@ class Cluster:
         dtypes = {"builtin": resolve_dtype(dtype), "vllm": "bfloat16" if dtype == "auto" else dtype}
         self._pg, self._attached, self.restarts = None, False, restarts
         self._owns_ray = not ray.is_initialized() and address is None
-        start_ray(address=address, num_cpus=num_cpus)
+        start_ray(address=address, num_cpus=num_cpus, actor_env=actor_env)
         lifetime = {"lifetime": "detached"} if detached else {}
         total = sum(replicas.values())
         cpus = float(ray.available_resources().get("CPU", 1))
@@ -196,7 +198,7 @@ def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Clus
     """Start (or join, with `address`) a Ray cluster and load `replicas` = {model: count}.
 
     Local Ray binds 127.0.0.1 only. Keyword arguments go to `Cluster` (dtype, num_cpus,
-    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, restarts, and
+    placement_timeout_s, engine="vllm" or engines={model: "vllm"}, vllm_options, restarts, actor_env, and
     built-in engine settings such as kv_cache_bytes: each built-in replica's KV pool, by default 10%
     of this machine's memory shared by the built-in replicas, or $AAFLOW_KV_CACHE_BYTES;
     `aaflow.engine.kv_budget`).
