@@ -1,5 +1,5 @@
-"""The `aaflow` command line: demo, chat, run, plan, calibrate, fetch-model, bench; up, status, down, submit
-(`aaflow.cli_deploy`)."""
+"""The `aaflow` command line: demo, chat, run, fetch-model, report, bench; plan, breakeven, calibrate
+(`aaflow.cli_planning`); up, status, down, submit (`aaflow.cli_deploy`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import importlib
 import sys
 import time
 
+from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
 from aaflow.strategies import STRATEGIES
 
 BENCHMARKS = {
@@ -29,8 +30,6 @@ BENCHMARKS = {
     "chaos": "benchmarks.chaos_bench",
 }
 
-DTYPE_ARG = ["auto", "bfloat16", "float32"]
-DTYPE_HELP = "weights and KV (default auto: bfloat16 on CPUs with native bf16, else float32)"
 
 DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste compute re-reading shared context?"
 
@@ -115,103 +114,6 @@ def parse_engines(values: list[str]) -> tuple[str, dict[str, str]]:
     return engine, engines
 
 
-def _hardware_name(name: str | None) -> str | None:
-    """A profile name, path, or unique prefix of a shipped one ("a100" -> "a100-80gb")."""
-    from costmodel.hardware import available_hardware
-
-    if name is None or name in available_hardware() or name.endswith((".yaml", ".yml")):
-        return name
-    matches = [h for h in available_hardware() if h.startswith(name)]
-    return matches[0] if len(matches) == 1 else name
-
-
-def _plan(args) -> int:
-    import json
-
-    import aaflow as af
-
-    wf = af.load_workflow(args.workflow)
-    replicas = {a.model: args.replicas for a in wf.agents()}
-    hardware = _hardware_name(args.hardware)
-    cluster = None
-    if hardware is None:
-        from aaflow.calibration import covers, find_profile
-        from aaflow.planning import replica_infos
-
-        if not covers(find_profile(), replica_infos(replicas, args.dtype)):  # calibrating needs live replicas
-            print(f"aaflow plan: this machine has no calibrated profile for {', '.join(replicas)} in {args.dtype} yet; "
-                  "starting replicas to calibrate ...")
-            cluster = af.init(replicas=replicas, dtype=args.dtype)
-    try:
-        plan = af.plan(wf, cluster or replicas, hardware=hardware, link=args.link, chunk_tokens=args.chunk_tokens,
-                       dtype=args.dtype)
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-    print(plan.explain())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(plan.to_dict(), f, indent=2)
-        print(f"wrote {args.json}")
-    return 0
-
-
-def _breakeven(args) -> int:
-    """Transfer vs recompute what-ifs for a model on a hardware profile."""
-    from costmodel.hardware import load_hardware
-    from costmodel.model_profile import model_profile
-    from costmodel.units import format_bandwidth, format_seconds
-    from costmodel.whatif import break_even_bandwidth, break_even_context, transfer_speedup
-
-    hardware = _hardware_name(args.hardware)
-    if hardware is None:
-        from aaflow.calibration import find_profile
-
-        profile = find_profile()
-        if profile is None:
-            print("aaflow breakeven: no calibrated profile here; run `aaflow calibrate` or pass --hardware NAME",
-                  file=sys.stderr)
-            return 2
-    else:
-        profile = load_hardware(hardware)
-    model = model_profile(args.model)
-    key = next((k for k in profile.compute if k.split("|")[0] == args.model), None)
-    if key is not None:
-        from dataclasses import replace
-
-        model = replace(model, name=key)
-    compute = profile.compute_for(model)
-    label = "measured here" if profile.measured else "PROJECTION (public figures, not measured here)"
-    print(f"{args.model} on {profile.name} ({label}); KV {model.kv_bytes_per_token:,} bytes/token")
-    print(f"prefill of {args.context:,} tokens: {format_seconds(compute.prefill_time(args.context))}")
-    print(f"break-even bandwidth at {args.context:,} tokens: "
-          f"{format_bandwidth(break_even_bandwidth(model, compute, args.context))}")
-    for name in args.link or sorted(profile.links):
-        link = profile.link(name)
-        context = break_even_context(model, compute, link)
-        print(f"link {name}: transfer {format_seconds(link.transfer_time(args.context * model.kv_bytes_per_token))}, "
-              f"{transfer_speedup(model, compute, link, args.context):.1f}x faster than prefill; transfer wins from "
-              f"{f'{context:,} tokens' if context else 'no length up to 131,072 tokens'}")
-    return 0
-
-
-def _calibrate(args) -> int:
-    from pathlib import Path
-
-    import aaflow as af
-    from aaflow.calibration import default_profile_name
-    from costmodel.hardware import hardware_dir
-
-    name = args.name or default_profile_name()
-    out = Path(args.out) if args.out else hardware_dir() / f"{name}.yaml"
-    cluster = af.init(replicas={args.model: args.replicas}, dtype=args.dtype)
-    try:
-        af.calibrate(cluster, name=name, quick=not args.full, out=out)
-    finally:
-        cluster.shutdown()
-    return 0
-
-
 def _fetch_model(args) -> int:
     from aaflow.models import fetch_model
 
@@ -281,34 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "or $AAFLOW_KV_CACHE_BYTES)")
     run.set_defaults(func=_run)
 
-    plan = sub.add_parser("plan", help="the planner's strategy per edge and predicted times for a workflow YAML")
-    plan.add_argument("workflow")
-    plan.add_argument("--replicas", type=int, default=2, help="replicas per model")
-    plan.add_argument("--hardware", default=None,
-                      help="a hardware profile (a100-80gb, h100, h200, a YAML path) for a projection; "
-                           "default: this machine's calibrated profile")
-    plan.add_argument("--link", default=None, help="link between replicas: a profile link name or e.g. 25Gbps")
-    plan.add_argument("--chunk-tokens", type=int, default=16)
-    plan.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
-    plan.add_argument("--json", default=None, help="also write the plan as JSON here")
-    plan.set_defaults(func=_plan)
-
-    breakeven = sub.add_parser("breakeven", help="when KV transfer beats recomputing: break-even bandwidth and context")
-    breakeven.add_argument("--model", default="smollm2", help="a known model (smollm2, llama-3-8b, qwen3-8b)")
-    breakeven.add_argument("--hardware", default=None, help="a profile (default: this machine's calibrated one)")
-    breakeven.add_argument("--context", type=int, default=4096)
-    breakeven.add_argument("--link", nargs="*", default=None, help="links: profile names or bandwidths (25Gbps)")
-    breakeven.set_defaults(func=_breakeven)
-
-    calibrate = sub.add_parser("calibrate", help="measure this machine's replicas and links into a hardware profile")
-    calibrate.add_argument("--model", default="smollm2")
-    calibrate.add_argument("--replicas", type=int, default=2, help="two or more also measure the links")
-    calibrate.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
-    calibrate.add_argument("--name", default=None, help="profile name (default local-<hostname>)")
-    calibrate.add_argument("--out", default=None, help="YAML path (default configs/hardware/<name>.yaml)")
-    calibrate.add_argument("--full", action="store_true", help="a longer grid (several minutes)")
-    calibrate.set_defaults(func=_calibrate)
-
     fetch = sub.add_parser("fetch-model", help="fetch a registered model (e.g. smollm2) into the cache")
     fetch.add_argument("name")
     fetch.add_argument("--force", action="store_true", help="download and convert again")
@@ -332,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_all.set_defaults(func=_bench)
 
     from aaflow.cli_deploy import add_deploy_commands
+    from aaflow.cli_planning import add_planning_commands
 
+    add_planning_commands(sub)
     add_deploy_commands(sub)
     return parser
 

@@ -81,7 +81,7 @@ def _submit(args) -> int:
 
 def add_deploy_commands(sub) -> None:
     """Add up, status, down and submit to the `aaflow` subcommands."""
-    from aaflow.cli import DTYPE_ARG, DTYPE_HELP
+    from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
 
     up = sub.add_parser("up", help="start a long-lived deployment (detached replicas) on a running Ray cluster")
     up.add_argument("--address", default=None, help=ADDRESS_HELP)
