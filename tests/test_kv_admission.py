@@ -79,3 +79,26 @@ def test_a_prompt_no_pool_can_hold_is_refused_before_anything_runs(small_pool):
         assert_no_kv_left(cluster)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["transfer", "text"])
+def test_kv_held_outside_the_run_makes_it_wait_not_fail(small_pool, strategy):
+    """Another program's context fills most of the pool, so the run's shared-prefix materialize
+    (transfer) or prompt prefill (text) is refused; the refused agents back off and retry, and
+    once that context is freed the run completes with text's tokens."""
+    import threading
+
+    cluster, model = small_pool
+    wf = fan_out(model)
+    expected = af.run(wf, cluster, strategy="text")
+    other = af.materialize(cluster, model, "Another program's context. " * 110)  # ~3,000 of ~5,900 tokens
+    release = threading.Timer(2.0, af.free, args=(other,))
+    release.start()
+    try:
+        res = af.run(wf, cluster, strategy=strategy)
+    finally:
+        release.join()
+    for name, agent in res.agents.items():
+        assert agent.token_ids == expected[name].token_ids, name
+    assert any("preempted" in e for e in res.events), res.events
+    assert_no_kv_left(cluster)

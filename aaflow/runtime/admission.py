@@ -84,7 +84,8 @@ class Admission:
         handles a real shortage). False when nobody waits."""
         for replica, queue in self.waiting.items():
             if queue and replica not in self.scheduler.dead:
-                self.gated.pop(queue[0].name, None)
+                if self.gated.pop(queue[0].name, None) is not None:  # preempted: what holds the KV is
+                    self.scheduler.backend.pause(self.scheduler.recovery.backoff_s(queue[0]))  # not ours
                 self._open(queue.pop(0))
                 return True
         return False

@@ -69,6 +69,13 @@ class Backend(ABC):
         """An ended call's value; raises ReplicaLostError when its replica died, else the
         exception the call raised. Called once per ticket."""
 
+    def pause(self, seconds: float) -> None:
+        """Let `seconds` pass (the scheduler backs off before retrying a preempted agent while
+        nothing of its run is in flight)."""
+        import time
+
+        time.sleep(seconds)
+
     def revived(self, replica: str, timeout_s: float) -> bool | None:
         """Whether `replica`, lost earlier, serves again (restarted, holding nothing), waiting up
         to `timeout_s` to learn it: True, False (not yet) or None (it never will: this backend's

@@ -165,6 +165,19 @@ class PrefixSharing:
                 for agent in self.waiters.pop(key):
                     self.fork_into(agent, prefix)
 
+    def materialize_refused(self, rname: str, token_ids) -> list[AgentState]:
+        """The replica had no room to compute a shared prefix: forget that it computes it and hand
+        back every agent waiting for it (anywhere), to be preempted; the first of them to open
+        again computes it then. [] when the tokens are no plain prefix computed there (a composed
+        prefix's part: its run fails as before)."""
+        tokens = tuple(token_ids)
+        prefix = next((p for p, origin in self.origin.items()
+                       if origin == rname and p[2] is None and p[1] == tokens), None)
+        if prefix is None:
+            return []
+        del self.origin[prefix]
+        return [agent for key in [k for k in self.waiters if k[:-1] == prefix] for agent in self.waiters.pop(key)]
+
     def transfer_failed(self) -> None:
         """Recompute every prefix in transit where it was going; release what the sources exposed."""
         for key, (source, handle, transport) in list(self.transferring.items()):

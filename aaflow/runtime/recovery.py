@@ -5,9 +5,11 @@ A replica that dies loses its sessions; every agent it ran starts over from its 
 once Ray has restarted it (empty), it takes agents again, and placement waits for it (bounded)
 when no other replica of the model lives.
 A failed transfer degrades to recomputing the prefix where it was going. A call refused for lack
-of KV blocks preempts: the agents whose prompt it carried (or, for a decode step, the agent placed
-last) close their sessions and start over once something on that replica ends. An agent that
-fails stops the run with an error naming it and the consumers that will not run.
+of KV blocks preempts: the agents whose prompt it carried (for a decode step, the agent placed
+last; for a shared prefix, the agents waiting for it) close their sessions and start over once
+something of the run on that replica ends, or, when nothing of the run is left running (other runs
+hold the KV), after a backoff. An agent that fails stops the run with an error naming it and the
+consumers that will not run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ if TYPE_CHECKING:
     from aaflow.runtime.scheduler import Scheduler
 
 CLEANUP_TIMEOUT_S = 10.0  # how long closing the sessions of a failed run may take
-MAX_PREEMPTIONS = 50  # an agent preempted this often for lack of KV fails (the pool is too small)
+MAX_PREEMPTIONS = 50  # an agent preempted this often, and for PREEMPTED_GIVE_UP_S, fails: the KV never
+PREEMPTED_GIVE_UP_S = 120.0  # freed up (the pool is too small for what runs on it)
+MAX_BACKOFF_S = 2.0  # the longest wait before a preempted agent is tried again (see backoff_s)
 REVIVE_WAIT_S = 120.0  # how long placement waits for a restarting replica when no other one lives
 
 
@@ -37,6 +41,7 @@ class Recovery:
         self.scheduler = scheduler
         self.preempted: dict[str, int] = {}  # agent -> times preempted
         self.gone: set[str] = set()  # dead replicas that will not be restarted
+        self.preempted_since: dict[str, float] = {}  # agent -> when it was first preempted
 
     def cleanup(self) -> None:
         """After a failure: close every session still open on a live replica (bounded wait)."""
@@ -67,6 +72,11 @@ class Recovery:
                 s.queues.call(consumer.replica, CallKind.CLOSE, consumer.sid)
                 self._restart(consumer)
 
+    def backoff_s(self, agent) -> float:
+        """How long a preempted agent waits before it is tried again while nothing of its run is in
+        flight (the KV is held by other runs or pins): doubling from 50 ms, at most 2 s."""
+        return min(MAX_BACKOFF_S, 0.05 * 2 ** max(0, self.preempted.get(agent.name, 1) - 1))
+
     def kv_short(self, ticket: Ticket, exc: KVCapacityError) -> None:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
         s = self.scheduler
@@ -79,16 +89,20 @@ class Recovery:
             victims = [on_replica[r.sid] for r in call.requests if r.sid in on_replica]
             if call.kind is CallKind.OPEN and call.args[0] in on_replica:
                 victims = [on_replica[call.args[0]]]
+            if call.kind is CallKind.MATERIALIZE:
+                victims = s.prefixes.materialize_refused(ticket.replica, call.args[0])
         if not victims:
             self.call_failed(ticket, exc, preempt=False)
             return
         for agent in victims:
             count = self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
-            if count > MAX_PREEMPTIONS:
+            since = self.preempted_since.setdefault(agent.name, s.now())
+            if count > MAX_PREEMPTIONS and s.now() - since > PREEMPTED_GIVE_UP_S:
                 self.call_failed(ticket, exc, preempt=False)
             s.events.append(f"{s.now():.2f}s preempted {agent.name} on {ticket.replica} ({exc}); "
                             "it starts over when KV frees up there")
-            s.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+            if agent.state != "opening":  # an agent waiting for a shared prefix has no session yet
+                s.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
             self._restart_with_readers(agent, gate=True)
 
     def replica_died(self, rname: str) -> None:

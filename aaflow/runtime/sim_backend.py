@@ -50,6 +50,9 @@ class SimBackend(Backend):
     def now(self) -> float:
         return self.clock
 
+    def pause(self, seconds: float) -> None:
+        self.clock += seconds
+
     def submit(self, replica: str, call: Call) -> Ticket:
         seconds, value, apply = self._outcome(self.sims[replica], call)
         if call.threads > 1:  # the profile's speedup is with every other replica's thread lent
