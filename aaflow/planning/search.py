@@ -13,6 +13,7 @@ everyone.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
@@ -123,10 +124,18 @@ class _Search:
                 for name, s in assignment.items()}
 
     def sim(self, assignment: dict[str, str]) -> SimResult:
+        """The simulation of `assignment`, memoized. An assignment that differs from an earlier one
+        only where an agent without inputs takes a strategy's simpler equivalent (uniform "stream"
+        against recompute for the agents that read nothing) runs identically: it reuses that
+        simulation, with each agent's timing naming the strategy asked for."""
         key = tuple(assignment[t.name] for t in self.spec.agents)
         if key not in self.cache:
-            self.cache[key] = simulate(self.spec, self.cluster, self.hardware, self.models, assignment,
-                                       call_overhead_s=self.call_overhead_s)
+            canonical = self.normalize(assignment)
+            same = tuple(canonical[t.name] for t in self.spec.agents)
+            if same not in self.cache:
+                self.cache[same] = simulate(self.spec, self.cluster, self.hardware, self.models, canonical,
+                                            call_overhead_s=self.call_overhead_s)
+            self.cache[key] = self.cache[same] if same == key else _renamed(self.cache[same], assignment)
         return self.cache[key]
 
     def better(self, a: dict[str, str], b: dict[str, str]) -> bool:
@@ -142,6 +151,13 @@ class _Search:
         result = self.sim(assignment)
         return (round(result.makespan_s, 9), round(result.total_busy_s, 9),
                 sum(SIMPLICITY[s] for s in assignment.values()))
+
+
+def _renamed(result: SimResult, assignment: dict[str, str]) -> SimResult:
+    """`result` with each agent's timing naming its strategy in `assignment`."""
+    agents = {name: replace(t, strategy=assignment[name]) if t.strategy != assignment[name] else t
+              for name, t in result.agents.items()}
+    return replace(result, agents=agents)
 
 
 def _reason(task: AgentTask, decisions: dict[str, str], result: SimResult, spec: WorkflowSpec,
