@@ -59,7 +59,7 @@ class Scheduler:
         self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
         self.queues = CallQueues(self, backend, lend_cores)
         self.admission = Admission(self)
-        self.prefixes = PrefixSharing(self, transport or "ray")
+        self.prefixes = PrefixSharing(self, transport)
         self.recovery = Recovery(self)
         self.unfinished = len(agents)
 
