@@ -241,6 +241,11 @@ class Scheduler:
             raise
         self._finish_queued()
 
+    def dispose(self) -> None:
+        """Drop the links to its parts, which point back at it: a finished scheduler is then freed
+        by reference counting, not left to the cyclic collector (the planner runs dozens)."""
+        self.queues = self.admission = self.prefixes = self.recovery = None
+
     def _loop(self) -> None:
         for agent in self.agents.values():
             self.open_if_ready(agent)
