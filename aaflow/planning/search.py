@@ -14,6 +14,7 @@ everyone.
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
@@ -107,6 +108,9 @@ class _Search:
         self.spec, self.cluster, self.hardware, self.models = spec, cluster, hardware, models
         self.candidates, self.call_overhead_s = candidates, call_overhead_s
         self.cache: dict[tuple[str, ...], SimResult] = {}
+        names = [t.name for t in spec.agents]
+        pick = itemgetter(*names)  # the strategies in agent order, read in C: the memo key
+        self._key = pick if len(names) > 1 else (lambda assignment: (pick(assignment),))
         self.options = {t.name: self._options(t) for t in spec.agents}
         self.fastest = float("inf")  # the shortest makespan `better` has seen
 
@@ -128,10 +132,10 @@ class _Search:
         only where an agent without inputs takes a strategy's simpler equivalent (uniform "stream"
         against recompute for the agents that read nothing) runs identically: it reuses that
         simulation, with each agent's timing naming the strategy asked for."""
-        key = tuple(assignment[t.name] for t in self.spec.agents)
+        key = self._key(assignment)
         if key not in self.cache:
             canonical = self.normalize(assignment)
-            same = tuple(canonical[t.name] for t in self.spec.agents)
+            same = self._key(canonical)
             if same not in self.cache:
                 self.cache[same] = simulate(self.spec, self.cluster, self.hardware, self.models, canonical,
                                             call_overhead_s=self.call_overhead_s)
