@@ -64,12 +64,12 @@ def find_profile(name: str | None = None) -> HardwareProfile | None:
 
 
 def _call_overhead_s(replica) -> float:
-    import ray
+    from cluster.replica_calls import call
 
     samples = []
     for _ in range(20):
         t0 = time.perf_counter()
-        ray.get(replica.actor.session_count.remote())
+        call(replica, "session_count")
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
@@ -77,20 +77,19 @@ def _call_overhead_s(replica) -> float:
 def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: float) -> tuple[dict, dict]:
     """Real transfers of `tokens`-long KV from replicas[0] to replicas[1] per transport: the time of
     the expose call on the source and the receive (fetch + import) on the destination."""
-    import ray
-
+    from cluster.replica_calls import call
     from cluster.transports.registry import moves_in_place
     from costmodel.calibration import fit_link
 
     src, dst = replicas[0], replicas[1]
     links, samples_out = {}, {}
-    info = ray.get(src.actor.info.remote())
+    info = call(src, "info")
     vocab = info["vocab_size"]
     cap = info["max_tokens"]
     tokens = [n for n in tokens if n <= cap]
     if len(tokens) < 2:  # a small model or pool: sizes relative to what fits
         tokens = [max(1, cap // 8), cap]
-    refs = [ray.get(src.actor.materialize.remote([(7 * i + 11) % vocab for i in range(n)])) for n in tokens]
+    refs = [call(src, "materialize", [(7 * i + 11) % vocab for i in range(n)]) for n in tokens]
     try:
         for transport in transports:
             in_place = moves_in_place(transport)
@@ -99,12 +98,12 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
                 times = []
                 for _ in range(4):  # the first transfer of a size allocates and registers buffers
                     t0 = time.perf_counter()
-                    handle, shape, rec = ray.get(src.actor.expose.remote(record.id, transport))
+                    handle, shape, rec = call(src, "expose", record.id, transport)
                     exposed = time.perf_counter() - t0
                     try:
-                        nbytes, seconds = ray.get(dst.actor.calibrate_receive.remote(handle, shape, rec, transport))
+                        nbytes, seconds = call(dst, "calibrate_receive", handle, shape, rec, transport)
                     finally:
-                        ray.get(src.actor.release.remote(handle, transport))
+                        call(src, "release", handle, transport)
                     # the simulator charges a staging source nbytes / memcpy for the gather; the rest is the link's
                     gather = 0.0 if in_place else nbytes / memcpy_bytes_per_s
                     times.append(max(1e-6, exposed + seconds - gather))
@@ -120,7 +119,7 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
                            + (" (in place: no staging copy)" if in_place else " (after the source's staging copy)"))
     finally:
         for record in refs:
-            ray.get(src.actor.free.remote(record.id))
+            call(src, "free", record.id)
     return links, samples_out
 
 
@@ -134,9 +133,8 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         transports: links to measure (default: ray, nixl and ucx where they run here).
         base: a profile to extend (entries of models measured now are replaced).
     """
-    import ray
-
     from cluster.calibration import FULL_DECODE, FULL_PREFILL, QUICK_DECODE, QUICK_PREFILL
+    from cluster.replica_calls import call
     from cluster.transports import available_transports
     from costmodel.calibration import compute_profile_from_samples, fit_quality
 
@@ -146,13 +144,12 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     report = []
     for model in sorted(cluster.models):
         replica = cluster.replicas(model)[0]
-        info = ray.get(replica.actor.info.remote())
+        info = call(replica, "info")
         key = model_key(info)
         say(progress, f"calibrating {key} on {replica.name}: prefill ...")
-        prefill = ray.get(replica.actor.calibrate_prefill.remote(QUICK_PREFILL if quick else FULL_PREFILL,
-                                                                   1 if quick else 3))
+        prefill = call(replica, "calibrate_prefill", QUICK_PREFILL if quick else FULL_PREFILL, 1 if quick else 3)
         say(progress, f"calibrating {key} on {replica.name}: decode ...")
-        decode = ray.get(replica.actor.calibrate_decode.remote(QUICK_DECODE if quick else FULL_DECODE))
+        decode = call(replica, "calibrate_decode", QUICK_DECODE if quick else FULL_DECODE)
         compute[key] = compute_profile_from_samples(prefill, decode)
         quality = fit_quality(compute[key], prefill, decode)
         report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, median fit error {quality:.1%}")
@@ -160,7 +157,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     slowdown = concurrency_slowdown(cluster.replicas(), progress)
     lent_speedup = lent_core_speedup(cluster.replicas(), progress)
     replica = cluster.replicas()[0]
-    memcpy = ray.get(replica.actor.memcpy_bandwidth.remote())
+    memcpy = call(replica, "memcpy_bandwidth")
     overhead = _call_overhead_s(replica)
     pairs = [cluster.replicas(m) for m in sorted(cluster.models) if len(cluster.replicas(m)) >= 2]
     if pairs:
@@ -194,9 +191,9 @@ def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
     """This machine's profile with an entry for every model of `cluster`: loaded, or calibrated
     now (quick) for the models it lacks and saved to the cache for the next run. `infos` are the
     replicas' `info()` per model, when the caller has them already."""
-    import ray
+    from cluster.replica_calls import call
 
-    infos = infos or {m: ray.get(cluster.replicas(m)[0].actor.info.remote()) for m in cluster.models}
+    infos = infos or {m: call(cluster.replicas(m)[0], "info") for m in cluster.models}
     profile = find_profile()
     if covers(profile, infos):
         return profile

@@ -24,14 +24,14 @@ def concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float
     working set, and long contexts are where the planner's choice between overlapping and waiting
     matters. On a shared machine whose speed drifts, the two solo timings disagree; then the
     measurement is repeated (up to `attempts` times) and the median estimate kept."""
-    import ray
+    from cluster.replica_calls import call, submit
 
     if len(replicas) < 2:
         return 1.0
     pair = replicas[:2]
 
     def alone(point):  # one replica at a time: [seconds per replica]
-        return [ray.get(r.actor.calibrate_prefill.remote(point, 1)) for r in pair]
+        return [call(r, "calibrate_prefill", point, 1) for r in pair]
 
     for tokens in (2048, 512):  # the longest prefill both pools can hold
         point = ((tokens, 0),)
@@ -44,7 +44,7 @@ def concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float
     for attempt in range(attempts):
         if attempt:
             before = alone(point)
-        together = ray.get([r.actor.calibrate_prefill.remote(point, 2) for r in pair])
+        together = [f.result() for f in [submit(r, "calibrate_prefill", point, 2) for r in pair]]  # at once
         after = alone(point)
         seconds = [[replica[0][2] for replica in samples] for samples in (before, together, after)]
         estimate, drift = slowdown_estimate(*seconds)
@@ -70,12 +70,12 @@ def lent_core_speedup(replicas, progress, tokens: int = 1024) -> float:
     """How much faster a `tokens`-token prefill runs on the first replica when the other built-in
     replicas of its node lend it their threads (>= 1): on its own threads, on the lent ones, on its
     own again, while the others idle; 1.0 when nothing can be lent."""
-    import ray
+    from cluster.replica_calls import call
 
     if not replicas:
         return 1.0
     first = replicas[0]
-    infos = dict(zip((r.name for r in replicas), ray.get([r.actor.info.remote() for r in replicas])))
+    infos = {r.name: call(r, "info") for r in replicas}
     lent = lent_threads(first, replicas, infos, idle={r.name for r in replicas})
     if not lent:
         return 1.0
@@ -83,9 +83,8 @@ def lent_core_speedup(replicas, progress, tokens: int = 1024) -> float:
     point = ((tokens, 0),)
 
     def seconds(threads: int) -> float | None:
-        call = (first.actor.calibrate_prefill.remote(point, 1) if threads == own
-                else first.actor.with_threads.remote(threads, "calibrate_prefill", point, 1))
-        samples = ray.get(call)
+        samples = (call(first, "calibrate_prefill", point, 1) if threads == own
+                   else call(first, "with_threads", threads, "calibrate_prefill", point, 1))
         return samples[0][2] if samples else None
 
     before, on_lent, after = seconds(own), seconds(own + lent), seconds(own)

@@ -18,7 +18,11 @@ FULL_DECODE = QUICK_DECODE + ((16, 64), (16, 1024), (1, 4096), (8, 2048))
 
 
 class Calibration:
-    """Mixin for `ModelReplica` (uses `self.engine`, `self.receive`, `self.free`)."""
+    """The microbenchmarks of a built-in replica, run on its engine (`replica.engine`); links
+    through its `receive` and `free`."""
+
+    def __init__(self, replica) -> None:
+        self.replica, self.engine = replica, replica.engine
 
     def _random_ids(self, n: int, seed: int) -> list[int]:
         vocab = self.engine.config.vocab_size
@@ -40,7 +44,7 @@ class Calibration:
                 continue
             times = [self._time_prefill(new, context, seed=100 * i + r) for r in range(repeats)]
             samples.append((new, context, statistics.median(times)))
-        self.clear_prefix_cache()
+        self.replica.clear_prefix_cache()
         return samples
 
     def _time_prefill(self, new: int, context: int, seed: int) -> float:
@@ -75,13 +79,13 @@ class Calibration:
             finally:
                 for seq in seqs:
                     self.engine.free(seq)
-        self.clear_prefix_cache()
+        self.replica.clear_prefix_cache()
         return samples
 
     def calibrate_receive(self, handle, shape, record, transport: str) -> tuple[int, float]:
         """Time a whole `receive` (fetch + import into the pool) and drop what arrived: (bytes, seconds)."""
         t0 = time.perf_counter()
-        received, stats = self.receive(handle, shape, record, transport)
+        received, stats = self.replica.receive(handle, shape, record, transport)
         seconds = time.perf_counter() - t0
-        self.free(received.id)
+        self.replica.free(received.id)
         return stats.nbytes, seconds

@@ -6,7 +6,8 @@ import os
 
 
 class FaultInjection:
-    """Mixin for `ModelReplica`. `inject_fault(kind, after)` arms one fault:
+    """A replica's armed fault (at most one); the replica asks it at the moments a fault may strike.
+    `inject(kind, after)` arms one:
 
     - "crash": the replica process exits (os._exit) on its `after`-th decode step;
     - "error": its `after`-th decode step raises RuntimeError (the agent fails);
@@ -15,33 +16,36 @@ class FaultInjection:
       the peer's fetch meets a stale lease inside the real transport.
     """
 
-    _fault: tuple[str, int] | None = None
+    def __init__(self) -> None:
+        self.armed: tuple[str, int] | None = None  # (kind, events left before it strikes)
 
-    def inject_fault(self, kind: str, after: int = 1) -> None:
+    def inject(self, kind: str, after: int = 1) -> None:
+        """Arm `kind` (replacing whatever was armed); ValueError for an unknown kind."""
         if kind not in ("crash", "error", "transfer", "stale"):
             raise ValueError(f"unknown fault {kind!r}: use crash, error, transfer or stale")
-        self._fault = (kind, after)
+        self.armed = (kind, after)
 
-    def clear_fault(self) -> None:
+    def clear(self) -> None:
         """Disarm whatever fault is armed."""
-        self._fault = None
+        self.armed = None
 
-    def _stale_exposure(self) -> bool:
+    def stale_exposure(self) -> bool:
         """Whether a "stale" fault claims this exposure (counting it down)."""
-        if self._fault is None or self._fault[0] != "stale":
+        if self.armed is None or self.armed[0] != "stale":
             return False
-        left = self._fault[1] - 1
-        self._fault = ("stale", left) if left > 0 else None
+        left = self.armed[1] - 1
+        self.armed = ("stale", left) if left > 0 else None
         return True
 
-    def _maybe_fail(self, where: str) -> None:
-        if self._fault is None or self._fault[0] == "stale":
+    def maybe_fail(self, where: str) -> None:
+        """Count down an armed fault that strikes at `where` ("step" or "receive"); strike at zero."""
+        if self.armed is None or self.armed[0] == "stale":
             return
-        kind, left = self._fault
+        kind, left = self.armed
         if (kind == "transfer") != (where == "receive"):
             return
         left -= 1
-        self._fault = (kind, left) if left > 0 else None
+        self.armed = (kind, left) if left > 0 else None
         if kind == "transfer":
             from aaflow.errors import KVTransferError
 

@@ -31,28 +31,40 @@ _QUIET = frozenset({"usage", "info", "stats"})  # read-only calls: not counted a
 
 
 def observed(cls: type) -> type:
-    """A subclass of replica class `cls` whose public calls are timed and reported (same name)."""
+    """A subclass of replica class `cls` whose public calls are timed and reported (same name); its
+    instances own a `UsageMeter` (`meter`), and `usage()` reads it."""
     wrapped = {name: _timed(getattr(cls, name)) for name in dir(cls)
                if not name.startswith("_") and name not in _QUIET and callable(getattr(cls, name))}
-    return type(cls.__name__, (cls, Observed), {**wrapped, "__module__": cls.__module__, "__doc__": cls.__doc__})
+
+    def __init__(self, *args, **kwargs) -> None:
+        cls.__init__(self, *args, **kwargs)
+        self.meter = UsageMeter(self)
+
+    def usage(self) -> dict:
+        """What this replica holds and did (`UsageMeter.usage`); refreshes its Ray metrics."""
+        return self.meter.usage()
+
+    return type(cls.__name__, (cls,), {**wrapped, "__init__": __init__, "usage": usage,
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
 def _timed(method):
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        if getattr(self, "_in_call", False):  # a call made by another call (or by `usage`): not timed again
+        meter = self.meter
+        if meter.in_call:  # a call made by another call (or by `usage`): not timed again
             return method(self, *args, **kwargs)
-        self._in_call = True
+        meter.in_call = True
         start, result = time.perf_counter(), None
         try:
-            self._before_call()
+            meter.before_call()
             result = method(self, *args, **kwargs)
             return result
         finally:
             try:
-                self._after_call(method.__name__, time.perf_counter() - start, result)
+                meter.after_call(method.__name__, time.perf_counter() - start, result)
             finally:
-                self._in_call = False
+                meter.in_call = False
 
     return call
 
@@ -98,66 +110,73 @@ class _Metrics:
             self.counters[name].inc(float(value), tags=self.tags)
 
 
-class Observed:
-    """Mixin state of an observed replica (attributes are made lazily: no `__init__` to chain)."""
+class UsageMeter:
+    """An observed replica's counters and Ray metrics (made on its first call, in the actor)."""
 
-    def _before_call(self) -> None:
-        host = getattr(self, "host", None)
-        if host is not None:
-            host.release_expired()
+    def __init__(self, replica) -> None:
+        self.replica = replica
+        self.host = getattr(replica, "host", None)  # a built-in replica's KVHost (pins, evictable refs)
+        self.in_call = False  # a timed call is running: calls it makes are not timed again
+        self.busy_s, self.calls, self.moved, self.computed, self.reused, self.refreshed = 0.0, 0, 0, 0, 0, 0.0
+        self.block_bytes: int | None = None  # read from `info()` on first use
+        self.metrics: _Metrics | None = None
 
-    def _observing(self) -> dict:
-        """This replica's counters (made on first use, with its Ray metrics where Ray runs)."""
-        if not hasattr(self, "_obs"):
-            info = self.info()
-            self._obs = {"busy_s": 0.0, "calls": 0, "moved": 0, "computed": 0, "reused": 0, "refreshed": 0.0,
-                         "block_bytes": info.get("bytes_per_token", 0) * info.get("block_size", 16)}
-            try:
-                self._metrics = _Metrics({"replica": self.name, "model": str(self.model)})
-                self._metrics.start_resending()
-            except Exception:  # noqa: BLE001 - outside a Ray worker there is nothing to export to
-                self._metrics = None
-        return self._obs
+    def _started(self) -> None:
+        if self.block_bytes is not None:
+            return
+        info = self.replica.info()
+        self.block_bytes = info.get("bytes_per_token", 0) * info.get("block_size", 16)
+        try:
+            self.metrics = _Metrics({"replica": self.replica.name, "model": str(self.replica.model)})
+            self.metrics.start_resending()
+        except Exception:  # noqa: BLE001 - outside a Ray worker there is nothing to export to
+            self.metrics = None
 
-    def _after_call(self, method: str, seconds: float, result) -> None:
-        obs = self._observing()
-        obs["busy_s"] += seconds
-        obs["calls"] += 1
+    def before_call(self) -> None:
+        """Release pins whose TTL ran out (`KVHost.release_expired`) before a call starts."""
+        if self.host is not None:
+            self.host.release_expired()
+
+    def after_call(self, method: str, seconds: float, result) -> None:
+        """Count a call that took `seconds` (and the bytes a `receive` moved)."""
+        self._started()
+        self.busy_s += seconds
+        self.calls += 1
         moved = getattr(result[1], "nbytes", 0) if method == "receive" and isinstance(result, tuple) else 0
-        obs["moved"] += moved
-        if self._metrics is not None:
-            self._metrics.add("busy_seconds", seconds)
-            self._metrics.add("kv_bytes_moved", moved)
-            if time.monotonic() - obs["refreshed"] >= REFRESH_S:
+        self.moved += moved
+        if self.metrics is not None:
+            self.metrics.add("busy_seconds", seconds)
+            self.metrics.add("kv_bytes_moved", moved)
+            if time.monotonic() - self.refreshed >= REFRESH_S:
                 self.usage()
 
     def usage(self) -> dict:
         """What this replica holds and did: KV bytes held / pinned / evictable, sessions open
         (its queue depth), prefill tokens computed / reused, bytes received, busy seconds. Also
         refreshes its Ray metrics."""
-        outer, self._in_call = getattr(self, "_in_call", False), True  # its own calls are not timed
+        outer, self.in_call = self.in_call, True  # the replica calls it makes are not timed
         try:
             return self._usage()
         finally:
-            self._in_call = outer
+            self.in_call = outer
 
     def _usage(self) -> dict:
-        obs, stats = self._observing(), self.stats()
-        host = getattr(self, "host", None)
-        block_bytes = obs["block_bytes"]
-        out = {"name": self.name, "model": str(self.model),
+        self._started()
+        replica, host, stats = self.replica, self.host, self.replica.stats()
+        block_bytes = self.block_bytes
+        out = {"name": replica.name, "model": str(replica.model),
                "kv_bytes_held": (stats.get("used_blocks") or 0) * block_bytes,
                "kv_bytes_pinned": host.pinned_bytes() if host is not None else 0,
                "kv_bytes_evictable": (stats.get("cached_blocks") or 0) * block_bytes
                + (host.evictable_bytes() if host is not None else 0),
-               "queue_depth": self.session_count(), "refs": stats.get("refs", 0),
+               "queue_depth": replica.session_count(), "refs": stats.get("refs", 0),
                "prefill_tokens_computed": stats.get("tokens_computed", 0),
                "prefill_tokens_reused": stats.get("tokens_reused", 0),
-               "kv_bytes_moved": obs["moved"], "busy_s": obs["busy_s"], "calls": obs["calls"]}
-        if self._metrics is not None:
-            self._metrics.set({name: out[name] for name in self._metrics.gauges})
-            self._metrics.add("prefill_tokens_computed", out["prefill_tokens_computed"] - obs["computed"])
-            self._metrics.add("prefill_tokens_reused", out["prefill_tokens_reused"] - obs["reused"])
-            obs["computed"], obs["reused"] = out["prefill_tokens_computed"], out["prefill_tokens_reused"]
-            obs["refreshed"] = time.monotonic()
+               "kv_bytes_moved": self.moved, "busy_s": self.busy_s, "calls": self.calls}
+        if self.metrics is not None:
+            self.metrics.set({name: out[name] for name in self.metrics.gauges})
+            self.metrics.add("prefill_tokens_computed", out["prefill_tokens_computed"] - self.computed)
+            self.metrics.add("prefill_tokens_reused", out["prefill_tokens_reused"] - self.reused)
+            self.computed, self.reused = out["prefill_tokens_computed"], out["prefill_tokens_reused"]
+            self.refreshed = time.monotonic()
         return out

@@ -13,6 +13,7 @@ import ray
 
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.calls import Call
+from cluster.replica_api import default_transport
 from cluster.replica_calls import call_result
 
 
@@ -32,6 +33,10 @@ class RayBackend(Backend):
         return [ReplicaInfo(r.name, r.model, r.engine, info.get(r.name, {}).get("node"),
                             info.get(r.name, {}).get("threads", 1), info.get(r.name, {}).get("kv_blocks"),
                             info.get(r.name, {}).get("block_size", 16)) for r in self.handles.values()]
+
+    def default_transport(self) -> str:
+        """The best transport every replica's engine takes (`cluster.replica_api.default_transport`)."""
+        return default_transport({r.engine for r in self.handles.values()})
 
     def now(self) -> float:
         return time.perf_counter() - self.start

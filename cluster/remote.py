@@ -1,6 +1,8 @@
 """The five operators on a cluster: `RemoteKVRef` handles and the functions `af.*` dispatch to.
 
-A `RemoteKVRef` names KV living in a replica actor; KV bytes only move through transports.
+A `RemoteKVRef` names KV living in a replica actor; KV bytes only move through transports. Calls
+go through `cluster.replica_calls` (one error mapping: a dead replica or a cluster shut down
+raises `ClusterError`).
 """
 
 from __future__ import annotations
@@ -9,12 +11,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from aaflow.errors import KVLocationError, KVTransferError, ModelMismatchError
-from aaflow.runtime.backend import ReplicaLostError
 from cluster.cluster import Cluster, ClusterError, ReplicaHandle
 from cluster.replica import RefRecord
-from cluster.replica_calls import call_result
-
-PREFERRED_TRANSPORTS = ("nixl", "ray", "ucx")  # fastest measured here first (see docs/RESULTS.md)
+from cluster.replica_api import default_transport
+from cluster.replica_calls import call
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,27 +52,6 @@ class RemoteKVRef:
         return len(self.record.token_ids)
 
 
-def _call(replica: ReplicaHandle, method: str, *args, **kwargs):
-    """Call `method` on a replica actor and wait for the result (errors as `call_result` maps
-    them); a dead replica, or a cluster already shut down, raises `ClusterError`."""
-    import ray
-
-    if not ray.is_initialized():
-        raise ClusterError(f"replica {replica.name} is gone: Ray is not running (was the cluster shut down?); "
-                           "start one with af.init and materialize the context again")
-    try:
-        return call_result(getattr(replica.actor, method).remote(*args, **kwargs), replica.name)
-    except ReplicaLostError as err:
-        raise ClusterError(f"{err}; materialize the context again on a live replica") from err
-
-
-def best_transport() -> str:
-    from cluster.transports import available_transports
-
-    ok = {name for name, status in available_transports().items() if status is True}
-    return next(t for t in PREFERRED_TRANSPORTS if t in ok)
-
-
 def materialize(cluster: Cluster, model: str, text_or_ids: str | Sequence[int], *, replica: ReplicaHandle | None = None,
                 lineage: bool = True) -> RemoteKVRef:
     """Prefill a context on a replica of `model` (the given one, or the first) and return its handle."""
@@ -80,30 +59,31 @@ def materialize(cluster: Cluster, model: str, text_or_ids: str | Sequence[int], 
     if not candidates:
         raise ModelMismatchError(f"the cluster serves no replica of {model!r} (serves {sorted(cluster.models)})")
     target = replica or candidates[0]
-    return RemoteKVRef(_call(target, "materialize", text_or_ids, lineage), target)
+    return RemoteKVRef(call(target, "materialize", text_or_ids, lineage), target)
 
 
 def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None = None) -> RemoteKVRef:
-    """An exact copy of kv's blocks on `destination` (a fork when it is already there)."""
+    """An exact copy of kv's blocks on `destination` (a fork when it is already there), over
+    `transport` (default: `cluster.replica_api.default_transport` of both replicas' engines)."""
     if not isinstance(destination, ReplicaHandle):
         raise KVLocationError(f"transfer needs a replica handle (cluster.replicas(model)[i]) for a cluster KVRef, "
                               f"got {type(destination).__name__}")
     if destination.name == kv.replica.name:
         return fork(kv, 1)[0]
-    transport = transport or best_transport()
-    handle, shape, record = _call(kv.replica, "expose", kv.id, transport)
+    transport = transport or default_transport({kv.replica.engine, destination.engine})
+    handle, shape, record = call(kv.replica, "expose", kv.id, transport)
     try:
-        received, _ = _call(destination, "receive", handle, shape, record, transport)
+        received, _ = call(destination, "receive", handle, shape, record, transport)
     except ClusterError as err:
         raise KVTransferError(f"transfer of {kv.id} to {destination.name} failed: {err}; "
                               f"{kv.id} is intact on {kv.replica.name}") from err
     finally:
-        _call(kv.replica, "release", handle, transport)
+        call(kv.replica, "release", handle, transport)
     return RemoteKVRef(received, destination)
 
 
 def fork(kv: RemoteKVRef, n: int = 2) -> list[RemoteKVRef]:
-    return [RemoteKVRef(r, kv.replica) for r in _call(kv.replica, "fork", kv.id, n)]
+    return [RemoteKVRef(r, kv.replica) for r in call(kv.replica, "fork", kv.id, n)]
 
 
 def compose(*kvs: RemoteKVRef, mode: str = "exact", r: float = 0.15) -> RemoteKVRef:
@@ -112,24 +92,24 @@ def compose(*kvs: RemoteKVRef, mode: str = "exact", r: float = 0.15) -> RemoteKV
         if kv.replica.name != home.name:
             raise KVLocationError(f"cannot compose {kvs[0].id} on {home.name} with {kv.id} on {kv.replica.name}: "
                                   "transfer one of them first (af.transfer(kv, replica))")
-    return RemoteKVRef(_call(home, "compose", [k.id for k in kvs], mode, r), home)
+    return RemoteKVRef(call(home, "compose", [k.id for k in kvs], mode, r), home)
 
 
 def evict(kv: RemoteKVRef, spill: bool | None = None) -> None:
-    _call(kv.replica, "evict", kv.id, spill)
+    call(kv.replica, "evict", kv.id, spill)
 
 
 def free(kv: RemoteKVRef) -> None:
-    _call(kv.replica, "free", kv.id)
+    call(kv.replica, "free", kv.id)
 
 
 def pin(kv: RemoteKVRef, ttl_s: float | None = None) -> None:
-    _call(kv.replica, "pin", kv.id, ttl_s)
+    call(kv.replica, "pin", kv.id, ttl_s)
 
 
 def unpin(kv: RemoteKVRef) -> None:
-    _call(kv.replica, "unpin", kv.id)
+    call(kv.replica, "unpin", kv.id)
 
 
 def generate(kv: RemoteKVRef, text_or_ids, max_new_tokens: int = 32, **sampling):
-    return _call(kv.replica, "generate", kv.id, text_or_ids, max_new_tokens, **sampling)
+    return call(kv.replica, "generate", kv.id, text_or_ids, max_new_tokens, **sampling)

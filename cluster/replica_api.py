@@ -2,7 +2,8 @@
 registry of its implementations, one per engine (like the transports' registry).
 
 `cluster.replica.ModelReplica` (the built-in engine) and `cluster.vllm_replica.VLLMReplica`
-implement it; `Cluster` makes each a Ray actor, whose calls run one at a time. Every method is
+implement it on a shared base (`cluster.replica_base.ReplicaBase`: identity, faults, and the
+session and calibration calls forwarded to components); `Cluster` makes each a Ray actor, whose calls run one at a time. Every method is
 blocking on the replica; records and handles cross process boundaries, KV bytes only move
 through transports.
 """
@@ -25,12 +26,28 @@ def replica_class(engine: str) -> type[Replica]:
     return getattr(importlib.import_module(module), name)
 
 
+def default_transport(engines) -> str:
+    """The transport KV moves over between replicas of these engines when none is named: the best
+    available here (`cluster.transports.registry.best_transport`) that every one of them takes.
+    `af.transfer`, `af.run` and `af.plan` all default to it."""
+    from cluster.transports.registry import best_transport
+
+    allowed = None
+    for engine in sorted(set(engines)):
+        takes = replica_class(engine).transports
+        if takes is not None:
+            allowed = takes if allowed is None else tuple(t for t in allowed if t in takes)
+    return best_transport(allowed)
+
+
 class Replica(ABC):
     """One model replica: an engine, its KV refs (addressed by id) and its sessions."""
 
     name: str
     model: str
     engine: object
+    transports: tuple[str, ...] | None = None
+    """The transports it moves KV over (None: every registered one)."""
 
     # --- identity ---------------------------------------------------------------------------
     @abstractmethod

@@ -22,25 +22,25 @@ class _Session:
 
 
 class SequenceSessions:
-    """Mixin for `ModelReplica`: sessions addressed by a string id. Needs `self.engine`, `self._ref`."""
+    """A built-in replica's sessions, addressed by a string id, on its engine's sequences."""
 
-    def __init__(self) -> None:
-        self._session_table: dict[str, _Session] = {}
-
-    def _sessions(self) -> dict[str, _Session]:
-        return self._session_table
+    def __init__(self, engine, host, refs, faults) -> None:
+        """`refs`: the replica's `RefTable` (a session may continue a ref); `faults`: its
+        `FaultInjection` (a decode step may fail on purpose)."""
+        self.engine, self.host, self.refs, self.faults = engine, host, refs, faults
+        self.table: dict[str, _Session] = {}
 
     def session_open(self, sid: str, fork_of: str | None = None) -> int:
         """Start a session, empty or continuing a KVRef of this replica (shared blocks); returns its length."""
-        seq = self.engine.fork(self.host.sequence(self._ref(fork_of))) if fork_of else self.engine.new_sequence()
-        self._sessions()[sid] = _Session(seq)
+        seq = self.engine.fork(self.host.sequence(self.refs.get(fork_of))) if fork_of else self.engine.new_sequence()
+        self.table[sid] = _Session(seq)
         return len(self.engine.sequence_tokens(seq))
 
     def session_prefill(self, sid: str, token_ids: list[int], sampling: SamplingParams | None = None,
                         reuse_prefix: bool = True, chunk_size: int | None = None) -> dict:
         """Append prompt tokens (incremental prefill). With `sampling`, this was the prompt's last
         segment: the first generated token is sampled and returned as "token"."""
-        s = self._sessions()[sid]
+        s = self.table[sid]
         t0 = time.perf_counter()
         before = self.engine.stats().tokens_computed
         logits = self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix)
@@ -51,7 +51,7 @@ class SequenceSessions:
     def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
         """Prefill several sessions' prompt segments together (`KVRunner.prefill_packed`). Each request
         is (sid, token_ids, sampling, reuse_prefix), answered as `session_prefill` would answer it."""
-        sessions = [self._sessions()[r[0]] for r in requests]
+        sessions = [self.table[r[0]] for r in requests]
         t0 = time.perf_counter()
         logits, reused = self.engine.prefill_packed([s.seq_id for s in sessions], [list(r[1]) for r in requests],
                                                     [bool(r[3]) for r in requests])  # [n, vocab]
@@ -72,8 +72,8 @@ class SequenceSessions:
 
     def session_step(self, sids: list[str]) -> list[int]:
         """One batched decode step for these sessions: feed each its last token, sample the next."""
-        self._maybe_fail("step")
-        sessions = [self._sessions()[sid] for sid in sids]
+        self.faults.maybe_fail("step")
+        sessions = [self.table[sid] for sid in sids]
         logits = self.engine.decode([s.seq_id for s in sessions], [s.generated[-1] for s in sessions])
         return self._sample_next(sessions, logits)
 
@@ -89,9 +89,9 @@ class SequenceSessions:
     def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
         """`session_step(sids)` and `session_prefill_many(requests)` in one forward pass, so the
         weights are read once for both (each decoding session's last token is a 1-token chunk)."""
-        self._maybe_fail("step")
-        decoding = [self._sessions()[sid] for sid in sids]
-        sessions = [self._sessions()[r[0]] for r in requests]
+        self.faults.maybe_fail("step")
+        decoding = [self.table[sid] for sid in sids]
+        sessions = [self.table[r[0]] for r in requests]
         t0 = time.perf_counter()
         token_lists = [[s.generated[-1]] for s in decoding] + [list(r[1]) for r in requests]
         logits, reused = self.engine.prefill_packed([s.seq_id for s in decoding + sessions], token_lists,
@@ -102,9 +102,14 @@ class SequenceSessions:
 
     def session_close(self, sid: str) -> None:
         """End a session and free its blocks; closing an unknown or closed session does nothing."""
-        s = self._sessions().pop(sid, None)
+        s = self.table.pop(sid, None)
         if s is not None:
             self.engine.free(s.seq_id)
 
     def session_count(self) -> int:
-        return len(self._sessions())
+        return len(self.table)
+
+    def close_all(self) -> None:
+        """Close every session."""
+        for sid in list(self.table):
+            self.session_close(sid)

@@ -43,10 +43,11 @@ def _round_up(nbytes: int) -> int:
 
 
 class TransferEndpoint:
-    """Mixin of `ModelReplica` (uses `self.engine`, `self.host`, `self.name`, `_ref`, `_record`,
-    `_maybe_fail`)."""
+    """A built-in replica's two ends of a transfer, and the transports and buffers they keep."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, engine, host, refs, faults) -> None:
+        """`refs`: the replica's `RefTable`; `faults`: its `FaultInjection`."""
+        self.name, self.engine, self.host, self.refs, self.faults = name, engine, host, refs, faults
         self._transports: dict[str, object] = {}
         self._pool_registered: set[str] = set()  # transports the engine's KV pool is registered with
         self._recv_buffers: dict[str, torch.Tensor] = {}  # per transport, reused (registered once)
@@ -81,12 +82,12 @@ class TransferEndpoint:
         registered staging buffer that is reused after `release`.
         """
         handle, kv_shape, record = self._expose(ref_id, transport)
-        if self._stale_exposure():  # fault injection: the peer will meet a released exposure
+        if self.faults.stale_exposure():  # fault injection: the peer will meet a released exposure
             self.release(handle, transport)
         return handle, kv_shape, record
 
     def _expose(self, ref_id: str, transport: str) -> tuple[object, KVShape, object]:
-        ref = self._ref(ref_id)
+        ref = self.refs.get(ref_id)
         lay = self.engine.kv_layout
         shape = (lay.num_layers, 2, len(ref), lay.num_kv_heads, lay.head_dim)
         kv_shape = KVShape(ref.fingerprint, shape, str(lay.dtype).removeprefix("torch."))
@@ -99,7 +100,7 @@ class TransferEndpoint:
                 self.engine.free(held)
                 raise
             self._send_held[handle.handle_id] = held
-            return handle, kv_shape, self._record(ref)
+            return handle, kv_shape, self.refs.add(ref)
         nbytes = torch.Size(shape).numel() * lay.dtype_bytes
         buf = self._staging_buffer(transport, nbytes)
         staged = buf[:nbytes].view(lay.dtype).view(shape)
@@ -110,7 +111,7 @@ class TransferEndpoint:
             self._send_free[transport].append(buf)
             raise
         self._send_busy[handle.handle_id] = buf
-        return handle, kv_shape, self._record(ref)
+        return handle, kv_shape, self.refs.add(ref)
 
     def _staging_buffer(self, transport: str, nbytes: int) -> torch.Tensor:
         """An idle send buffer of at least `nbytes`, registered with the transport once."""
@@ -140,7 +141,7 @@ class TransferEndpoint:
         The fingerprint, shape and dtype are checked before any byte is received; a failed fetch
         raises `KVTransferError` and leaves this pool exactly as it was.
         """
-        self._maybe_fail("receive")
+        self.faults.maybe_fail("receive")
         check_descriptor(handle, shape, record)
         if shape.fingerprint != self.engine.fingerprint:
             raise ModelMismatchError(
@@ -164,7 +165,7 @@ class TransferEndpoint:
         seq, stats = _as_transfer_error(transport, self.name,
                                         lambda: fetch(handle, shape, record, transport, timeout_s))
         lineage = Lineage("transfer", (record.id,), (("from", record.replica), ("transport", transport)))
-        return self._record(self.host.register(seq, lineage, record.fidelity)), stats
+        return self.refs.add(self.host.register(seq, lineage, record.fidelity)), stats
 
     def _fetch_in_place(self, handle, shape: KVShape, record, transport: str, timeout_s: float):
         """Reserve blocks, let the transport write them, seal them: (sequence, stats)."""
@@ -201,7 +202,8 @@ class TransferEndpoint:
             self._recv_buffers[transport] = buf
         return buf
 
-    def close_transports(self) -> None:
+    def close(self) -> None:
+        """Close every transport this endpoint opened."""
         for t in self._transports.values():
             t.close()
         self._transports.clear()
@@ -221,7 +223,7 @@ def check_descriptor(handle, shape, record) -> None:
     if not (isinstance(shape, KVShape) and isinstance(shape.fingerprint, str) and isinstance(shape.dtype, str)
             and isinstance(shape.shape, tuple) and all(is_int(d) and d >= 0 for d in shape.shape)):
         problems.append(f"shape {shape!r:.120} is not a KVShape of a fingerprint, dims and a dtype name")
-    from cluster.replica import RefRecord
+    from cluster.ref_table import RefRecord
     from operators import FidelityReport
 
     if not (isinstance(record, RefRecord) and isinstance(record.id, str) and isinstance(record.replica, str)

@@ -17,10 +17,10 @@ from cluster.calibration import QUICK_DECODE, Calibration
 
 
 class VLLMCalibration(Calibration):
-    """Mixin for `VLLMReplica` (uses `self.engine`, a `VLLMEngine`, `self.name` and `self.info()`)."""
+    """The microbenchmarks of a `VLLMReplica` (`replica.engine` is a `VLLMEngine`)."""
 
     def _fits(self, tokens: int, sequences: int = 1) -> bool:
-        return tokens + 2 <= self.info()["max_tokens"]  # room for the sampled tokens
+        return tokens + 2 <= self.replica.info()["max_tokens"]  # room for the sampled tokens
 
     def _one_token(self, rid: str, ids: list[int], use_cache: bool) -> float:
         t0 = time.perf_counter()
@@ -33,7 +33,7 @@ class VLLMCalibration(Calibration):
         return time.perf_counter() - t0
 
     def _time_prefill(self, new: int, context: int, seed: int) -> float:
-        rid = f"{self.name}/calibrate/{seed}"
+        rid = f"{self.replica.name}/calibrate/{seed}"
         if not context:
             return self._one_token(rid, self._random_ids(new, seed), use_cache=False)
         prefix = self._random_ids(context, seed + 1)
@@ -46,7 +46,7 @@ class VLLMCalibration(Calibration):
         for i, (batch, context) in enumerate(points):
             if not self._fits(context + steps + 1, batch):
                 continue
-            rids = [f"{self.name}/calibrate-decode/{i}/{j}" for j in range(batch)]
+            rids = [f"{self.replica.name}/calibrate-decode/{i}/{j}" for j in range(batch)]
             params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
             try:
                 for j, rid in enumerate(rids):
@@ -61,5 +61,5 @@ class VLLMCalibration(Calibration):
                 samples.append((batch, context, statistics.median(times)))
             finally:
                 self.engine.abort_requests(rids)
-        self.clear_prefix_cache()
+        self.replica.clear_prefix_cache()
         return samples

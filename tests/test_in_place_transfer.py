@@ -94,7 +94,7 @@ def test_replicas_move_kv_in_place_even_after_the_source_ref_is_freed(two_replic
     received, stats = dst.receive(handle, shape, record, "nixl")
     src.release(handle, "nixl")
     assert torch.equal(dst.export_tensor(received.id), original)
-    assert not (src._send_busy or src._send_free or dst._recv_buffers), "no staging buffer was used"
+    assert not (src.endpoint._send_busy or src.endpoint._send_free or dst.endpoint._recv_buffers), "no staging buffer was used"
     assert stats.nbytes == original.nbytes
     src.free(scratch.id)
     dst.free(received.id)

@@ -29,6 +29,9 @@ class Recording(Backend):
     def now(self) -> float:
         return self.inner.now()
 
+    def default_transport(self) -> str:
+        return self.inner.default_transport()
+
     def submit(self, replica, call):
         sessions = tuple(sid.split("/", 1)[1] for sid in call.sessions)  # without the run id
         self.calls.append((replica, call.kind.name, sessions, call.tokens))

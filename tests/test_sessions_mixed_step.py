@@ -21,7 +21,7 @@ def _start(replica: ModelReplica) -> None:
 
 
 def _kv(replica: ModelReplica, sid: str) -> torch.Tensor:
-    return replica.engine.export_kv(replica._sessions()[sid].seq_id).kv
+    return replica.engine.export_kv(replica.sessions.table[sid].seq_id).kv
 
 
 def test_mixed_step_equals_a_step_then_a_packed_prefill(tiny_llama_dir):

@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
+from aaflow.errors import AAFlowError
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 from costmodel.hardware import HardwareProfile, load_hardware
 from costmodel.model_profile import ModelProfile
@@ -109,6 +110,21 @@ def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
     return profile.with_link(link, LinkProfile(combined, real.latency_s + latency))
 
 
+def default_link(profile: HardwareProfile, cluster) -> str:
+    """The link a plan assumes when none is named: the transport a run on `cluster` defaults to
+    (`cluster.replica_api.default_transport`) where the profile has it, else its "ray", else its first."""
+    from cluster.replica_api import default_transport
+
+    engines = {"builtin"} if isinstance(cluster, dict) else {r.engine for r in cluster.replicas()}
+    try:
+        transport = default_transport(engines)
+    except AAFlowError:  # no transport runs here (a projection can still be planned)
+        transport = None
+    if transport in profile.links:
+        return transport
+    return "ray" if "ray" in profile.links else next(iter(profile.links), "ray")
+
+
 def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link: str | None = None,
          chunk_tokens: int = 16, transport: str | None = None, progress: Callable[[str], None] | None = print,
          dtype: str = "auto"):
@@ -119,7 +135,8 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
         hardware: None for this machine's calibrated profile (measured; calibrated on first use),
             or a profile name / YAML path (e.g. "a100-80gb") to project onto other hardware.
         link: the link between replicas: a profile link name ("ray", "nixl", "ib-400g") or a
-            bandwidth such as "25Gbps" (default: `transport`, else the profile's first link).
+            bandwidth such as "25Gbps" (default: `transport`, else `default_link`: the transport
+            `af.run` would use where the profile has it).
         chunk_tokens: the executor's streaming chunk size.
         dtype: planning without a cluster, the dtype the replicas would run ("auto": what
             `af.init` picks on this CPU); a live cluster's replicas report their own.
@@ -142,7 +159,7 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
 
     infos = replica_infos(cluster, dtype)
     profile = resolve_hardware(cluster, infos, hardware, progress)
-    link = link or transport or ("ray" if "ray" in profile.links else next(iter(profile.links), "ray"))
+    link = link or transport or default_link(profile, cluster)
     profile = with_emulated_link(profile, link)
     spec = workflow_spec(workflow, builders)
     blocks = {i["block_size"] for i in infos.values() if i.get("block_size")}

@@ -13,6 +13,8 @@ everyone.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from aaflow.errors import CostModelError
@@ -106,6 +108,9 @@ class _Search:
         self.spec, self.cluster, self.hardware, self.models = spec, cluster, hardware, models
         self.candidates, self.call_overhead_s = candidates, call_overhead_s
         self.cache: dict[tuple[str, ...], SimResult] = {}
+        names = [t.name for t in spec.agents]
+        pick = itemgetter(*names)  # the strategies in agent order, read in C: the memo key
+        self._key = pick if len(names) > 1 else (lambda assignment: (pick(assignment),))
         self.options = {t.name: self._options(t) for t in spec.agents}
         self.fastest = float("inf")  # the shortest makespan `better` has seen
 
@@ -123,10 +128,18 @@ class _Search:
                 for name, s in assignment.items()}
 
     def sim(self, assignment: dict[str, str]) -> SimResult:
-        key = tuple(assignment[t.name] for t in self.spec.agents)
+        """The simulation of `assignment`, memoized. An assignment that differs from an earlier one
+        only where an agent without inputs takes a strategy's simpler equivalent (uniform "stream"
+        against recompute for the agents that read nothing) runs identically: it reuses that
+        simulation, with each agent's timing naming the strategy asked for."""
+        key = self._key(assignment)
         if key not in self.cache:
-            self.cache[key] = simulate(self.spec, self.cluster, self.hardware, self.models, assignment,
-                                       call_overhead_s=self.call_overhead_s)
+            canonical = self.normalize(assignment)
+            same = self._key(canonical)
+            if same not in self.cache:
+                self.cache[same] = simulate(self.spec, self.cluster, self.hardware, self.models, canonical,
+                                            call_overhead_s=self.call_overhead_s)
+            self.cache[key] = self.cache[same] if same == key else _renamed(self.cache[same], assignment)
         return self.cache[key]
 
     def better(self, a: dict[str, str], b: dict[str, str]) -> bool:
@@ -142,6 +155,13 @@ class _Search:
         result = self.sim(assignment)
         return (round(result.makespan_s, 9), round(result.total_busy_s, 9),
                 sum(SIMPLICITY[s] for s in assignment.values()))
+
+
+def _renamed(result: SimResult, assignment: dict[str, str]) -> SimResult:
+    """`result` with each agent's timing naming its strategy in `assignment`."""
+    agents = {name: replace(t, strategy=assignment[name]) if t.strategy != assignment[name] else t
+              for name, t in result.agents.items()}
+    return replace(result, agents=agents)
 
 
 def _reason(task: AgentTask, decisions: dict[str, str], result: SimResult, spec: WorkflowSpec,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from aaflow.engine.sampling import SamplingParams
 from aaflow.errors import CostModelError
-from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.agent_state import AgentState, PrefixIds
 from aaflow.runtime.prompts import AgentInput
 from aaflow.runtime.scheduler import Scheduler
 from aaflow.runtime.sim_backend import SimBackend
@@ -83,15 +83,18 @@ def simulate(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwareProfile
     agents = spec_agents(spec, strategies)
     collecting = gc.isenabled()
     gc.disable()  # a run allocates many small objects and little cyclic garbage: collecting it costs a third
+    scheduler = Scheduler(agents, backend, {m: set() for m in used}, chunk_tokens=cluster.chunk_tokens)
     try:
-        Scheduler(agents, backend, {m: set() for m in used}, chunk_tokens=cluster.chunk_tokens).run()
+        scheduler.run()
+        timings = {a.name: AgentTiming(a.start_s, a.result.first_token_s, a.end_s, a.replica,
+                                       a.result.prefill_computed, a.result.prefill_reused, a.strategy, a.prefix_via)
+                   for a in agents.values()}
+        return SimResult(backend.now(), timings, dict(backend.busy_s), backend.prefill_tokens_computed,
+                         backend.bytes_moved, backend.peak_kv_bytes)
     finally:
+        scheduler.dispose()  # freed here: what the collector sees when it is enabled again stays small
         if collecting:
             gc.enable()
-    timings = {a.name: AgentTiming(a.start_s, a.result.first_token_s, a.end_s, a.replica, a.result.prefill_computed,
-                                   a.result.prefill_reused, a.strategy, a.prefix_via) for a in agents.values()}
-    return SimResult(backend.now(), timings, dict(backend.busy_s), backend.prefill_tokens_computed,
-                     backend.bytes_moved, backend.peak_kv_bytes)
 
 
 def spec_agents(spec: WorkflowSpec, strategies: dict[str, str]) -> dict[str, AgentState]:
@@ -116,7 +119,7 @@ def _synthetic(spec: WorkflowSpec) -> list[tuple]:
     for task in spec.agents:
         key = (task.model, task.prefix_key)
         if key not in prefixes:
-            prefixes[key] = fresh(task.prefix_tokens)
+            prefixes[key] = PrefixIds(fresh(task.prefix_tokens))  # one object for every agent and run: hashed once
         segments = (prefixes[key],) + tuple(AgentInput(s) if isinstance(s, str) else fresh(s) for s in task.segments)
         out.append((task.name, segments, tuple(spec.consumers(task.name)),
                     SamplingParams(max_new_tokens=task.output_tokens, ignore_eos=True)))

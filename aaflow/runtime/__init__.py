@@ -69,7 +69,8 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
         chunk_tokens: streamed upstream tokens are prefilled downstream in chunks of at least this many.
         call_timeout_s: the longest any replica call may take before the run fails (nothing hangs).
         transport: KV transport between replicas ("ray", "nixl", "ucx", or an emulated link such as
-            "ray@10Gbps"); default "ray".
+            "ray@10Gbps"); default: the best available here that every replica takes
+            (`cluster.replica_api.default_transport`, the default of `af.transfer` too).
         plan: a `Plan` from `af.plan` to follow under "auto" (default: plan now; this machine's
             profile is calibrated on first use). If planning fails, auto falls back to its
             documented rule and says so in `events`.

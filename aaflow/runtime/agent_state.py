@@ -10,6 +10,19 @@ from aaflow.runtime.results import AgentResult
 from aaflow.strategies import STREAMS, shares_prefix
 
 
+class PrefixIds(tuple):
+    """A static prefix's token ids that hash once: prefix keys are looked up for every agent and
+    prefix call, and hashing thousands of ids each time dominated planning. Equal, and hashing
+    equal, to the plain tuple of the same ids."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+
 @dataclass(eq=False)
 class AgentState:
     """An agent: what it reads and generates, where it runs and how far it got.
@@ -45,6 +58,7 @@ class AgentState:
     prefix_via: str = ""  # how its prefix arrived: "reuse", "transfer" or "recompute"
     upstream: tuple[str, ...] = field(init=False)  # the agents it reads, in prompt order
     streams: bool = field(init=False)  # prefills upstream tokens while the upstream still decodes
+    _prefix_key: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.result is None:
@@ -55,9 +69,15 @@ class AgentState:
     @property
     def prefix_key(self) -> tuple:
         """(model, static prefix ids, how it is composed): the KV of a prefix is shared only between
-        replicas of one model, and composed KV only with agents that ask for the same compose."""
-        compose = (*self.kv.compose, self.prefix_parts) if self.kv.compose else None
-        return self.model, static_prefix(self.segments), compose
+        replicas of one model, and composed KV only with agents that ask for the same compose.
+        Made once: the static prefix, `kv` and `prefix_parts` do not change during a run."""
+        if self._prefix_key is None:
+            compose = (*self.kv.compose, self.prefix_parts) if self.kv.compose else None
+            prefix = static_prefix(self.segments)
+            if isinstance(prefix, tuple) and not isinstance(prefix, PrefixIds):
+                prefix = PrefixIds(prefix)
+            self._prefix_key = (self.model, prefix, compose)
+        return self._prefix_key
 
     @property
     def shares_prefix(self) -> bool:

@@ -51,6 +51,11 @@ class Backend(ABC):
     def replicas(self) -> list[ReplicaInfo]:
         """The replicas, in cluster order (placement breaks ties by it)."""
 
+    def default_transport(self) -> str:
+        """The transport KV moves over between replicas when a run names none. Asked only when a
+        prefix is first transferred; a backend that cannot transfer need not answer."""
+        raise NotImplementedError(f"{type(self).__name__} names no default transport: pass transport=")
+
     @abstractmethod
     def now(self) -> float:
         """Seconds since the backend started (wall clock or simulated)."""

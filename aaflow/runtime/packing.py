@@ -75,6 +75,8 @@ def common_prefix_len(a, b) -> int:
     """Length of the longest common prefix of two id sequences (slices compare in C: runs of
     COMPARE_RUN ids, then bisection inside the first run that differs)."""
     n = min(len(a), len(b))
+    if len(a) == len(b) and a == b:  # the common case (a cached run met again): one compare, no copies
+        return n
     lo, hi = 0, min(n, COMPARE_RUN)
     while lo < n and a[lo:hi] == b[lo:hi]:
         lo, hi = hi, min(n, hi + COMPARE_RUN)

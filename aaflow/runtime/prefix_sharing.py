@@ -21,14 +21,21 @@ Prefix = tuple  # (model, prefix token ids)
 class PrefixSharing:
     """Owns which replica holds which shared prefix, who waits for one and what is in transit."""
 
-    def __init__(self, scheduler: Scheduler, transport: str) -> None:
-        self.scheduler, self.queues, self.transport = scheduler, scheduler.queues, transport
+    def __init__(self, scheduler: Scheduler, transport: str | None) -> None:
+        self.scheduler, self.queues, self._transport = scheduler, scheduler.queues, transport
         self.refs: dict[Prefix, dict[str, str]] = {}  # prefix -> {replica: ref id}
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
         self.transferring: dict[tuple, tuple] = {}  # prefix + (dest,) -> (source, handle or None, transport)
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
+
+    @property
+    def transport(self) -> str:
+        """The transport prefixes move over: the run's, else the backend's default (asked once)."""
+        if self._transport is None:
+            self._transport = self.scheduler.backend.default_transport()
+        return self._transport
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""

@@ -59,7 +59,7 @@ class Scheduler:
         self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
         self.queues = CallQueues(self, backend, lend_cores)
         self.admission = Admission(self)
-        self.prefixes = PrefixSharing(self, transport or "ray")
+        self.prefixes = PrefixSharing(self, transport)
         self.recovery = Recovery(self)
         self.unfinished = len(agents)
 
@@ -240,6 +240,11 @@ class Scheduler:
             self.recovery.cleanup()
             raise
         self._finish_queued()
+
+    def dispose(self) -> None:
+        """Drop the links to its parts, which point back at it: a finished scheduler is then freed
+        by reference counting, not left to the cyclic collector (the planner runs dozens)."""
+        self.queues = self.admission = self.prefixes = self.recovery = None
 
     def _loop(self) -> None:
         for agent in self.agents.values():

@@ -27,7 +27,7 @@ class SimBackend(Backend):
 
     def __init__(self, replicas: list[tuple[str, str]], hardware, models: dict, link: str,
                  call_overhead_s: float, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
-        self.link, self.memcpy_bytes_per_s = hardware.link(link), hardware.memcpy_bytes_per_s
+        self.link, self.link_name, self.memcpy_bytes_per_s = hardware.link(link), link, hardware.memcpy_bytes_per_s
         self.infos = [ReplicaInfo(name, model, "builtin", SIM_NODE, 1) for name, model in replicas]
         self.sims = {name: SimReplica(name, hardware.compute_for(models[model]), models[model].kv_bytes_per_token,
                                       block_tokens, call_overhead_s) for name, model in replicas}
@@ -46,6 +46,10 @@ class SimBackend(Backend):
 
     def replicas(self) -> list[ReplicaInfo]:
         return list(self.infos)
+
+    def default_transport(self) -> str:
+        """The link calls are timed on (`ClusterSpec.link`): its name is the transport."""
+        return self.link_name
 
     def now(self) -> float:
         return self.clock

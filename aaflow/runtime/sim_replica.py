@@ -201,12 +201,13 @@ class SimReplica:
         return seconds, answers, apply
 
     def step(self, sids: list[str], next_token: Callable[[], int]) -> Outcome:
-        context = sum(self.sessions[s].tokens for s in sids) / max(1, len(sids))
+        sessions = [self.sessions[s] for s in sids]  # the same objects at the step's end: one call at a time
+        context = sum([s.tokens for s in sessions]) / max(1, len(sids))
         seconds = self.overhead + self.compute.decode_step_time(len(sids), context)
 
         def apply() -> None:
-            for s in sids:
-                self.sessions[s].tokens += 1
+            for s in sessions:
+                s.tokens += 1
             self.ledger.own += len(sids)
 
         return seconds, [next_token() for _ in sids], apply

@@ -78,7 +78,7 @@ class KVPayloads(Surface):
         return _strategies()
 
     def run(self, case) -> None:
-        self._before = (self.dst.engine.stats().used, set(self.dst.engine.runner.sequences), len(self.dst._refs))
+        self._before = (self.dst.engine.stats().used, set(self.dst.engine.runner.sequences), len(self.dst.refs))
         self._allocated_ok = None
         from aaflow.errors import AAFlowError
 
@@ -177,7 +177,7 @@ class KVPayloads(Surface):
 
     def invariants(self) -> list[str]:
         problems = []
-        after = (self.dst.engine.stats().used, set(self.dst.engine.runner.sequences), len(self.dst._refs))
+        after = (self.dst.engine.stats().used, set(self.dst.engine.runner.sequences), len(self.dst.refs))
         if after != self._before:
             problems.append(f"destination pool changed: (used blocks, sequences, refs) {self._before} -> {after}")
         if self._allocated_ok is not None and not self._allocated_ok[0]:

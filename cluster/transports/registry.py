@@ -14,6 +14,7 @@ _BUILTIN = {
     "ucx": "cluster.transports.ucx:UcxTransport",
 }
 _registry: dict[str, str] = dict(_BUILTIN)
+PREFERRED = ("nixl", "ray", "ucx")  # between replicas, fastest measured here first (docs/RESULTS.md)
 
 
 def register_transport(name: str, target: str) -> None:
@@ -56,6 +57,17 @@ def moves_in_place(name: str) -> bool:
     """Whether transport `name` reads and writes pool memory in place (`Transport.supports_segments`):
     a replica then moves KV with no staging copy. Emulated links (`"nixl@1Gbps"`) stage."""
     return "@" not in name and _load(name).supports_segments
+
+
+def best_transport(allowed: tuple[str, ...] | None = None) -> str:
+    """The first of PREFERRED that runs here (and is in `allowed`, when given): the default
+    transport between replicas. Raises TransportUnavailableError when none is left."""
+    ready = available_transports()
+    for name in PREFERRED:
+        if ready.get(name) is True and (allowed is None or name in allowed):
+            return name
+    raise TransportUnavailableError(f"no KV transport among {allowed or PREFERRED} runs here: "
+                                    f"{ {n: ready.get(n) for n in PREFERRED} }")
 
 
 def available_transports() -> dict[str, bool | str]:

@@ -1,0 +1,61 @@
+"""A replica is made of components it owns (refs, sessions, faults, calibration, transfer
+endpoint, usage meter), and the default transport is one rule for `af.transfer`, `af.run` and
+`af.plan`. No Ray: the replica runs in this process."""
+
+from __future__ import annotations
+
+import pytest
+
+from aaflow.engine.sampling import SamplingParams
+from aaflow.errors import KVRefFreedError
+from cluster.faults import FaultInjection
+from cluster.observed import observed
+from cluster.replica import ModelReplica
+from cluster.replica_api import default_transport
+from cluster.transports.registry import PREFERRED, available_transports, best_transport
+
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+
+def test_the_default_transport_is_the_best_available_that_every_engine_takes():
+    ready = [t for t in PREFERRED if available_transports().get(t) is True]
+    assert best_transport() == ready[0]
+    assert default_transport({"builtin"}) == ready[0]
+    assert default_transport({"builtin", "vllm"}) == "ray"  # vLLM replicas move KV over ray only
+
+
+def test_a_fault_counts_down_and_strikes_once():
+    faults = FaultInjection()
+    faults.inject("error", 2)
+    faults.maybe_fail("receive")  # not where an "error" strikes
+    faults.maybe_fail("step")
+    with pytest.raises(RuntimeError, match="injected"):
+        faults.maybe_fail("step")
+    faults.maybe_fail("step")  # disarmed after striking
+    faults.inject("stale", 1)
+    assert faults.stale_exposure() and not faults.stale_exposure()
+    with pytest.raises(ValueError, match="unknown fault"):
+        faults.inject("meteor")
+
+
+def test_replica_calls_reach_its_components_and_close_frees_everything(tiny_llama_dir):
+    replica = observed(ModelReplica)("r0", str(tiny_llama_dir), dtype="float32", num_blocks=64)
+    info = replica.info()
+    assert (info["name"], info["engine"], info["block_size"] > 0) == ("r0", "builtin", True)
+    record = replica.materialize(list(range(40)))
+    assert replica.refs.get(record.id).token_ids == record.token_ids
+    replica.session_open("s", fork_of=record.id)
+    replica.session_prefill("s", [7, 8, 9], GREEDY)
+    assert replica.session_count() == len(replica.sessions.table) == 1
+    replica.inject_fault("error", 1)  # forwarded to the replica's own FaultInjection
+    with pytest.raises(RuntimeError, match="injected"):
+        replica.session_step(["s"])
+    assert replica.faults.armed is None
+    usage = replica.usage()
+    assert usage["queue_depth"] == 1 and usage["calls"] >= 4 and usage["kv_bytes_held"] > 0
+    replica.free(record.id)
+    with pytest.raises(KVRefFreedError):
+        replica.free(record.id)
+    replica.close()
+    assert replica.session_count() == 0 and len(replica.refs) == 0
+    assert replica.engine.stats().used == 0
