@@ -7,9 +7,15 @@ where installed), while a killer thread SIGKILLs a random replica process of thi
 random moment (at most `replicas - 1` per run, so one replica always lives). The process title
 says what the replica was doing when it died (`ray::ModelReplica.session_step`: a decode step,
 `.materialize`: a shared prefix, `.expose` / `.receive`: either side of a transfer, ...).
+Then `--targeted-rounds` rounds aim the kills: before each run one random replica is armed to
+SIGKILL itself when a call reaches a chosen point (`cluster.faults`, kind "kill"): a prefill or a
+decode step (text, stream), the shared prefix's materialize, the transfer source as it exposes the
+prefix or 0.2 s later while its peer receives, the destination as it starts to receive (transfer
+over each transport); whether it fired is read from the replica's process id.
 Checked: every run completes with `text`'s tokens within `--call-timeout-s` per call, and after
-the last run every replica holds no session, no ref and no used block. Reported: kills by what
-was running, runs, runs with identical output, failures and the longest run.
+the last run every replica holds no session, no ref and no used block, and the object store no
+object. Reported: kills by what was running / by target, runs, runs with identical output,
+failures and the longest run.
 """
 
 from __future__ import annotations
@@ -97,10 +103,17 @@ def _workflows(model: str, doc: str) -> dict:
     return {"chain": chain, "fan_out": fan, "map_reduce": mr, "a_b": ab}
 
 
+# Where a targeted kill strikes, per strategy: "expose+" kills the source 0.2 s after it exposed
+# the prefix (its peer is receiving); "receive" kills the destination as it starts to fetch.
+TARGETS = {"text": ("prefill", "step"), "stream": ("prefill", "step"),
+           "transfer": ("materialize", "expose", "expose+", "receive")}
+
+
 def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: int, transports: list[str],
-          call_timeout_s: float, min_kills: int = 0) -> dict:
-    """Run the rounds under the killer, more (up to 3x) until `min_kills` kills; returns the report
-    (see the module docstring)."""
+          call_timeout_s: float, min_kills: int = 0, targeted_rounds: int = 0) -> dict:
+    """Run the rounds under the killer, more (up to 3x) until `min_kills` kills, then
+    `targeted_rounds` rounds in which each run arms one random replica to kill itself at a point
+    of TARGETS; returns the report (see the module docstring)."""
     import aaflow as af
 
     workflows = _workflows(model, doc)
@@ -109,30 +122,80 @@ def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: i
     plans = [("text", None), ("stream", None)] + [("transfer", t) for t in transports]
     killer = Killer(len(cluster.replicas()), interval_s, seed)
     killer.thread.start()
-    runs, identical, failures, longest = 0, 0, [], 0.0
+    tally = {"runs": 0, "identical": 0, "failures": [], "longest_run_s": 0.0}
+
+    def run_one(name, wf, strategy, transport) -> None:
+        t0 = time.perf_counter()
+        try:
+            res = af.run(wf, cluster, strategy=strategy, transport=transport, call_timeout_s=call_timeout_s)
+            tally["identical"] += {n: a.token_ids for n, a in res.agents.items()} == expected[name]
+        except Exception as exc:  # noqa: BLE001 - every failure is reported
+            tally["failures"].append(f"{name}/{strategy}/{transport}: {type(exc).__name__}: {exc}"[:400])
+        tally["runs"] += 1
+        tally["longest_run_s"] = max(tally["longest_run_s"], time.perf_counter() - t0)
+
+    targeted: dict[str, dict] = {}
+    turns: dict[tuple, int] = {}  # (strategy, transport) -> targeted runs so far: its points in turn
     try:
         r = 0
         while r < rounds or (len(killer.kills) < min_kills and r < 3 * rounds):
             for name, wf in workflows.items():
-                strategy, transport = plans[(r + len(name)) % len(plans)]
                 killer.new_run()
-                t0 = time.perf_counter()
-                try:
-                    res = af.run(wf, cluster, strategy=strategy, transport=transport, call_timeout_s=call_timeout_s)
-                    identical += {n: a.token_ids for n, a in res.agents.items()} == expected[name]
-                except Exception as exc:  # noqa: BLE001 - every failure is reported
-                    failures.append(f"{name}/{strategy}/{transport}: {type(exc).__name__}: {exc}"[:400])
+                run_one(name, wf, *plans[(r + len(name)) % len(plans)])
                 killer.armed.clear()
-                runs += 1
-                longest = max(longest, time.perf_counter() - t0)
             r += 1
-            log(f"chaos round {r}: {len(killer.kills)} kills so far, {identical}/{runs} identical")
+            log(f"chaos round {r}: {len(killer.kills)} kills so far, {tally['identical']}/{tally['runs']} identical")
+        killer.stop.set()
+        for t in range(targeted_rounds):
+            for i, (name, wf) in enumerate(workflows.items()):
+                strategy, transport = plans[(t + i) % len(plans)]
+                turn = turns[(strategy, transport)] = turns.get((strategy, transport), -1) + 1
+                point = TARGETS[strategy][turn % len(TARGETS[strategy])]
+                fired = _armed_run(cluster, killer.rng, point, lambda: run_one(name, wf, strategy, transport))
+                row = targeted.setdefault(f"{strategy}/{transport or '-'}/{point}", {"armed": 0, "fired": 0})
+                row["armed"] += 1
+                row["fired"] += fired
+            log(f"targeted round {t + 1}: {sum(v['fired'] for v in targeted.values())} kills fired, "
+                f"{tally['identical']}/{tally['runs']} identical")
     finally:
         killer.stop.set()
         killer.thread.join()
-    return {"runs": runs, "identical": identical, "failures": failures, "kills": len(killer.kills),
-            "kills_by_call": {k: killer.kills.count(k) for k in sorted(set(killer.kills))},
-            "longest_run_s": longest, "leftover": leftover_kv(cluster), "object_store": object_store_usage()}
+    return {**tally, "kills": len(killer.kills) + sum(v["fired"] for v in targeted.values()),
+            "random_kills_by_call": {k: killer.kills.count(k) for k in sorted(set(killer.kills))},
+            "targeted_kills": targeted, "leftover": leftover_kv(cluster), "object_store": object_store_usage()}
+
+
+def _armed_run(cluster, rng, point: str, run) -> bool:
+    """Arm one random replica to kill itself at `point`, run, disarm; whether it died."""
+    import ray
+
+    replicas = cluster.replicas()
+    victim = rng.choice(replicas)
+    pid = _pid(victim)
+    at, delay = (point[:-1], 0.2) if point.endswith("+") else (point, 0.0)
+    ray.get(victim.actor.inject_fault.remote("kill", 1, at, delay), timeout=60)
+    run()
+    time.sleep(0.3)  # a delayed kill lands
+    for r in replicas:
+        try:
+            ray.get(r.actor.clear_fault.remote(), timeout=120)
+        except ray.exceptions.RayActorError:  # killed at the last moment: restarted disarmed
+            pass
+    return _pid(victim) != pid
+
+
+def _pid(replica, wait_s: float = 120.0) -> int:
+    """The replica's process id, waiting while Ray restarts it."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return ray.get(replica.actor.info.remote(), timeout=wait_s)["pid"]
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def leftover_kv(cluster, wait_s: float = 120.0) -> dict:
@@ -160,17 +223,19 @@ def run(args) -> dict:
     from cluster.transports import available_transports
 
     if args.quick:
-        args.rounds = 3
+        args.rounds, args.targeted_rounds = 3, 2
     transports = [t for t in ("ray", "nixl", "ucx") if t in available_transports()]
     cluster = af.init(replicas={args.model: args.replicas}, dtype="float32", restarts=-1)
     try:
         report = chaos(cluster, args.model, context_text(args.doc_tokens), args.rounds, args.interval_s,
-                       args.seed, transports, args.call_timeout_s, min_kills=args.min_kills)
+                       args.seed, transports, args.call_timeout_s, min_kills=args.min_kills,
+                       targeted_rounds=args.targeted_rounds)
     finally:
         cluster.shutdown()
     report.update({"benchmark": "chaos", "machine": machine_facts(), "transports": transports,
                    "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}})
-    log(f"chaos: {report['kills']} kills {report['kills_by_call']}; {report['identical']}/{report['runs']} runs "
+    log(f"chaos: {report['kills']} kills (random {report['random_kills_by_call']}; targeted "
+        f"{report['targeted_kills']}); {report['identical']}/{report['runs']} runs "
         f"identical to text, {len(report['failures'])} failed; longest run {report['longest_run_s']:.1f} s; "
         f"left over: {report['leftover']}; object store {report['object_store']}")
     write_json(args.out, report)
@@ -186,5 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--doc-tokens", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-kills", type=int, default=20, help="more rounds (up to 3x) until this many kills")
+    p.add_argument("--targeted-rounds", type=int, default=5,
+                   help="then rounds whose every run arms a replica to kill itself at a chosen point "
+                        "(prefill, decode step, shared-prefix materialize, transfer source / destination)")
     p.add_argument("--call-timeout-s", type=float, default=120.0)
     p.add_argument("--out", default="results/chaos.json")

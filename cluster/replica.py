@@ -60,6 +60,7 @@ class ModelReplica(ReplicaBase):
     def materialize(self, text_or_ids: str | Sequence[int], lineage: bool = True) -> RefRecord:
         from operators import materialize
 
+        self.faults.reached("materialize")
         before = self.engine.stats().tokens_computed
         ref = materialize(self.host, text_or_ids, lineage=lineage)
         return self.refs.add(ref, self.engine.stats().tokens_computed - before)

@@ -46,9 +46,10 @@ class ReplicaBase(Replica):
         raise NotImplementedError
 
     # --- faults (reliability tests) -----------------------------------------------------------
-    def inject_fault(self, kind: str, after: int = 1) -> None:
-        """Arm a fault (`cluster.faults.FaultInjection`): "crash", "error", "transfer" or "stale"."""
-        self.faults.inject(kind, after)
+    def inject_fault(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0) -> None:
+        """Arm a fault (`cluster.faults.FaultInjection`): "crash", "error", "transfer", "stale", or
+        "kill" at a point (materialize, prefill, step, expose, receive)."""
+        self.faults.inject(kind, after, at, delay_s)
 
     def clear_fault(self) -> None:
         """Disarm whatever fault is armed."""

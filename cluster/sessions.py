@@ -40,6 +40,7 @@ class SequenceSessions:
                         reuse_prefix: bool = True, chunk_size: int | None = None) -> dict:
         """Append prompt tokens (incremental prefill). With `sampling`, this was the prompt's last
         segment: the first generated token is sampled and returned as "token"."""
+        self.faults.reached("prefill")
         s = self.table[sid]
         t0 = time.perf_counter()
         before = self.engine.stats().tokens_computed
@@ -51,6 +52,7 @@ class SequenceSessions:
     def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
         """Prefill several sessions' prompt segments together (`KVRunner.prefill_packed`). Each request
         is (sid, token_ids, sampling, reuse_prefix), answered as `session_prefill` would answer it."""
+        self.faults.reached("prefill")
         sessions = [self.table[r[0]] for r in requests]
         t0 = time.perf_counter()
         logits, reused = self.engine.prefill_packed([s.seq_id for s in sessions], [list(r[1]) for r in requests],

@@ -81,6 +81,7 @@ class TransferEndpoint:
         `release`, so the ref may be freed or extended meanwhile); otherwise gathered once into a
         registered staging buffer that is reused after `release`.
         """
+        self.faults.reached("expose")
         handle, kv_shape, record = self._expose(ref_id, transport)
         if self.faults.stale_exposure():  # fault injection: the peer will meet a released exposure
             self.release(handle, transport)
