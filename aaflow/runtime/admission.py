@@ -84,9 +84,16 @@ class Admission:
         handles a real shortage). False when nobody waits."""
         for replica, queue in self.waiting.items():
             if queue and replica not in self.scheduler.dead:
-                if self.gated.pop(queue[0].name, None) is not None:  # preempted: what holds the KV is
-                    self.scheduler.backend.pause(self.scheduler.recovery.backoff_s(queue[0]))  # not ours
-                self._open(queue.pop(0))
+                first = queue[0]
+                if first.name in self.gated:  # preempted while nothing of this run runs: other runs hold
+                    recovery = self.scheduler.recovery  # the KV; free ours there too, then wait a while
+                    recovery.yield_kv(replica, keep=first)
+                    self.scheduler.backend.pause(recovery.backoff_s(first))
+                    if first not in queue:  # admitted meanwhile
+                        return True
+                    self.gated.pop(first.name, None)
+                queue.remove(first)
+                self._open(first)
                 return True
         return False
 

@@ -14,6 +14,7 @@ consumers that will not run.
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING
 
 from aaflow.errors import AAFlowError, KVCapacityError
@@ -42,6 +43,7 @@ class Recovery:
         self.preempted: dict[str, int] = {}  # agent -> times preempted
         self.gone: set[str] = set()  # dead replicas that will not be restarted
         self.preempted_since: dict[str, float] = {}  # agent -> when it was first preempted
+        self.jitter = random.Random(scheduler.run_id)
 
     def cleanup(self) -> None:
         """After a failure: close every session still open on a live replica (bounded wait)."""
@@ -74,8 +76,22 @@ class Recovery:
 
     def backoff_s(self, agent) -> float:
         """How long a preempted agent waits before it is tried again while nothing of its run is in
-        flight (the KV is held by other runs or pins): doubling from 50 ms, at most 2 s."""
-        return min(MAX_BACKOFF_S, 0.05 * 2 ** max(0, self.preempted.get(agent.name, 1) - 1))
+        flight (the KV is held by other runs or pins): doubling from 50 ms up to 2 s, jittered so
+        that runs waiting on each other do not retry in step."""
+        base = min(MAX_BACKOFF_S, 0.05 * 2 ** max(0, self.preempted.get(agent.name, 1) - 1))
+        return base * self.jitter.uniform(0.5, 1.5)
+
+    def yield_kv(self, rname: str, keep) -> None:
+        """Nothing of the run runs and `keep` waits for room on `rname` that other runs hold: the
+        run's sessions there, blocked on inputs, give their KV back too (they start over later), so
+        that runs holding KV while waiting for each other cannot wait forever."""
+        s = self.scheduler
+        for agent in [a for a in s.placed[rname] if a.state in ("open", "decoding") and a is not keep]:
+            self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
+            s.events.append(f"{s.now():.2f}s preempted {agent.name} on {rname}: it holds KV while other runs "
+                            "hold what its run needs; it starts over later")
+            s.queues.call(rname, CallKind.CLOSE, agent.sid)
+            self._restart_with_readers(agent, gate=True)
 
     def kv_short(self, ticket: Ticket, exc: KVCapacityError) -> None:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
