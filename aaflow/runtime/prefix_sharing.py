@@ -141,6 +141,15 @@ class PrefixSharing:
         self.origin.pop(prefix, None)
         self.scheduler.events.append(f"{self.scheduler.now():.2f}s evicted a shared prefix of {len(prefix[1])} tokens")
 
+    def drop_held(self, rname: str) -> None:
+        """Free the shared prefixes held on `rname` (calls already queued there that use them run
+        first); an agent that needs one again has it computed or transferred anew."""
+        for prefix, holders in self.refs.items():
+            if rname in holders:
+                self.queues.call(rname, CallKind.FREE, holders.pop(rname))
+                if self.origin.get(prefix) == rname:
+                    del self.origin[prefix]
+
     def free_all(self) -> None:
         """Free every shared prefix still held (at the end of a run)."""
         for holders in self.refs.values():

@@ -83,8 +83,8 @@ class Recovery:
 
     def yield_kv(self, rname: str, keep) -> None:
         """Nothing of the run runs and `keep` waits for room on `rname` that other runs hold: the
-        run's sessions there, blocked on inputs, give their KV back too (they start over later), so
-        that runs holding KV while waiting for each other cannot wait forever."""
+        run's sessions and shared prefixes there give their KV back too (they start over later),
+        so that runs holding KV while waiting for each other cannot wait forever."""
         s = self.scheduler
         for agent in [a for a in s.placed[rname] if a.state in ("open", "decoding") and a is not keep]:
             self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
@@ -92,6 +92,7 @@ class Recovery:
                             "hold what its run needs; it starts over later")
             s.queues.call(rname, CallKind.CLOSE, agent.sid)
             self._restart_with_readers(agent, gate=True)
+        s.prefixes.drop_held(rname)
 
     def kv_short(self, ticket: Ticket, exc: KVCapacityError) -> None:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
