@@ -162,7 +162,17 @@ def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: i
         killer.thread.join()
     return {**tally, "kills": len(killer.kills) + sum(v["fired"] for v in targeted.values()),
             "random_kills_by_call": {k: killer.kills.count(k) for k in sorted(set(killer.kills))},
-            "targeted_kills": targeted, "leftover": leftover_kv(cluster), "object_store": object_store_usage()}
+            "targeted_kills": targeted, "leftover": leftover_kv(cluster), "object_store": _settled_object_store()}
+
+
+def _settled_object_store() -> dict:
+    """The object store once the driver has dropped what finished runs still reference (a run's
+    transfer handles can sit in reference cycles until the collector runs) and Ray has freed it."""
+    import gc
+
+    gc.collect()
+    time.sleep(1.0)
+    return object_store_usage()
 
 
 def _armed_run(cluster, rng, point: str, run) -> bool:
