@@ -12,13 +12,15 @@ from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.linear import Linear
 from aaflow.engine.rope import RotaryTable
+from aaflow.engine.run_attention import RunsDecodeBatch, runs_decode_attention
 from aaflow.engine.weights import LayerWeights, ModelWeights
 
 
-Batch = AttentionBatch | PackedBatch | CascadeBatch | FixedBatch
+Batch = AttentionBatch | PackedBatch | CascadeBatch | FixedBatch | RunsDecodeBatch
 
 
-_ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention}  # others: paged_attention
+_ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention,
+              RunsDecodeBatch: runs_decode_attention}  # others: paged_attention
 
 
 class LlamaModel:

@@ -15,6 +15,7 @@ from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefi
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
+from aaflow.engine.run_attention import RunsDecodeBatch, reads_in_place_pays
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
@@ -30,6 +31,7 @@ class KVRunner(KVImportExport):
         self.blocks = BlockManager(layout.num_blocks, layout.block_size)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
+        self.run_decode = model.dtype != torch.float32
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -274,6 +276,8 @@ class KVRunner(KVImportExport):
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
             batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
+        elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
+            batch = RunsDecodeBatch.build(write, contexts)
         else:
             shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
             batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
