@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from aaflow.engine.sampling import Sampler, SamplingParams
+from aaflow.errors import KVCapacityError
+from cluster.kv_queue import KVQueue
 
 
 @dataclass
@@ -29,6 +31,18 @@ class SequenceSessions:
         `FaultInjection` (a decode step may fail on purpose)."""
         self.engine, self.host, self.refs, self.faults = engine, host, refs, faults
         self.table: dict[str, _Session] = {}
+        self.queue = KVQueue(engine)  # prompts of runs refused for KV go first
+
+    def _admitted(self, sids: list[str], token_lists, prompt_call):
+        """Run a call that prefills prompt tokens of these sessions, keeping the runs' order for KV."""
+        self.queue.admit(sids, sum(len(t) for t in token_lists))
+        try:
+            result = prompt_call()
+        except KVCapacityError as exc:
+            self.queue.refused(sids, exc)
+            raise
+        self.queue.served(sids)
+        return result
 
     def session_open(self, sid: str, fork_of: str | None = None) -> int:
         """Start a session, empty or continuing a KVRef of this replica (shared blocks); returns its length."""
@@ -44,7 +58,8 @@ class SequenceSessions:
         s = self.table[sid]
         t0 = time.perf_counter()
         before = self.engine.stats().tokens_computed
-        logits = self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix)
+        logits = self._admitted([sid], [token_ids],
+                                lambda: self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix))
         computed = self.engine.stats().tokens_computed - before
         out = {"computed": computed, "reused": len(token_ids) - computed, "seconds": time.perf_counter() - t0}
         return self._maybe_first_token(s, sampling, logits, out)
@@ -55,8 +70,10 @@ class SequenceSessions:
         self.faults.reached("prefill")
         sessions = [self.table[r[0]] for r in requests]
         t0 = time.perf_counter()
-        logits, reused = self.engine.prefill_packed([s.seq_id for s in sessions], [list(r[1]) for r in requests],
-                                                    [bool(r[3]) for r in requests])  # [n, vocab]
+        logits, reused = self._admitted(
+            [r[0] for r in requests], [r[1] for r in requests],
+            lambda: self.engine.prefill_packed([s.seq_id for s in sessions], [list(r[1]) for r in requests],
+                                               [bool(r[3]) for r in requests]))  # [n, vocab]
         return self._prefill_answers(sessions, requests, reused, logits, time.perf_counter() - t0)
 
     def _prefill_answers(self, sessions, requests, reused, logits, seconds: float) -> list[dict]:
@@ -96,8 +113,10 @@ class SequenceSessions:
         sessions = [self.table[r[0]] for r in requests]
         t0 = time.perf_counter()
         token_lists = [[s.generated[-1]] for s in decoding] + [list(r[1]) for r in requests]
-        logits, reused = self.engine.prefill_packed([s.seq_id for s in decoding + sessions], token_lists,
-                                                    [False] * len(decoding) + [bool(r[3]) for r in requests])
+        logits, reused = self._admitted(
+            [r[0] for r in requests], [r[1] for r in requests],
+            lambda: self.engine.prefill_packed([s.seq_id for s in decoding + sessions], token_lists,
+                                               [False] * len(decoding) + [bool(r[3]) for r in requests]))
         seconds, n = time.perf_counter() - t0, len(decoding)  # logits: [n + len(requests), vocab]
         return (self._sample_next(decoding, logits[:n]),
                 self._prefill_answers(sessions, requests, reused[n:], logits[n:], seconds))
