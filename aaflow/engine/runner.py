@@ -16,6 +16,7 @@ from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.run_attention import RunsDecodeBatch, reads_in_place_pays
+from aaflow.engine.tiled_attention import TiledPrefillBatch
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
@@ -31,7 +32,9 @@ class KVRunner(KVImportExport):
         self.blocks = BlockManager(layout.num_blocks, layout.block_size)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
-        self.run_decode = model.dtype != torch.float32
+        # bf16 attention as plain products: decode reads runs in place, prefill goes in tiles; fp32
+        # keeps the flash kernel (and its results)
+        self.run_decode = self.tiled_prefill = model.dtype != torch.float32
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -235,6 +238,8 @@ class KVRunner(KVImportExport):
         positions = [torch.arange(start, start + len(chunk)) for chunk, start in zip(chunks, starts)]
         if self.model.deterministic:
             batch = FixedBatch(list(zip(contexts, starts)))
+        elif self.tiled_prefill:
+            batch = TiledPrefillBatch.build(contexts, starts)
         else:
             shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
             batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])

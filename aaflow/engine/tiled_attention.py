@@ -1,0 +1,111 @@
+"""Prefill attention of one sequence as tiles of plain matrix products, for bf16.
+
+The new tokens' queries go in tiles of TILE_TOKENS positions. Each tile takes three steps:
+- its scores against every key it may see come from one oneDNN product per kv head, with the
+  head's query group folded into the rows;
+- the causal triangle is masked on the tile's own diagonal block only;
+- a bf16 softmax (computed in fp32 inside the kernel) and one product with V give its output.
+Keys past the tile's last position are never read, so causal work is skipped tile by tile.
+
+Why not torch's CPU flash kernel: here it ran a causal prefill of SmolLM2's heads at 65-140 GFLOP/s,
+against 740 for its products. On an AMD EPYC with AVX512-BF16 and 2 threads, per layer:
+
+| prefill | flash | tiles |
+|---|---|---|
+| 512 tokens | 3.8 ms | 1.4 ms |
+| 2,048 tokens | 37 ms | 15 ms |
+| 4,096 tokens | 138 ms | 62 ms |
+
+The precision is that of Hugging Face's eager bf16 attention, not flash's. The scores are rounded
+to bf16 before the softmax, and the probabilities are rounded before the product with V (flash
+rounds those too). The engine therefore takes this path in bf16 only, and fp32 keeps the flash
+kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aaflow.engine.attention import run_start
+from aaflow.engine.kv_cache import PagedKVCache
+
+TILE_TOKENS = 128  # 64 and 256 measured slower at 512-4,096 tokens
+
+
+def _diagonal_mask(tile: int, dtype: torch.dtype) -> torch.Tensor:  # [tile, tile]: -inf above the diagonal
+    return torch.full((tile, tile), float("-inf"), dtype=dtype).triu(1)
+
+
+_MASKS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def tiled_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]: positions [start, start + T)
+    k: torch.Tensor,  # [start + T, Hkv, D]: the whole context, new tokens last (any row stride)
+    v: torch.Tensor,  # [start + T, Hkv, D]
+    start: int,
+) -> torch.Tensor:  # [T, H * D]
+    """Causal attention of T new tokens over their context (the first `start` keys plus themselves)."""
+    T, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    mask = _MASKS.get(q.dtype)
+    if mask is None:
+        mask = _MASKS[q.dtype] = _diagonal_mask(TILE_TOKENS, q.dtype)
+    qg = (q * dim ** -0.5).view(T, kv_heads, group, dim).transpose(0, 1)  # [Hkv, T, G, D]
+    kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
+    vh = v.transpose(0, 1)  # [Hkv, ctx, D]
+    out = torch.empty(kv_heads, T, group, dim, dtype=q.dtype)  # [Hkv, T, G, D]
+    for s in range(0, T, TILE_TOKENS):
+        e = min(T, s + TILE_TOKENS)
+        t, keys = e - s, start + e
+        scores = torch.matmul(qg[:, s:e].reshape(kv_heads, t * group, dim), kt[:, :, :keys])  # [Hkv, t*G, keys]
+        scores.view(kv_heads, t, group, keys)[..., start + s:] += mask[:t, :t][None, :, None, :]
+        probs = torch.softmax(scores, dim=-1)  # [Hkv, t*G, keys], bf16 out, fp32 inside
+        out[:, s:e] = torch.matmul(probs, vh[:, :keys]).view(kv_heads, t, group, dim)
+    return out.transpose(0, 1).reshape(T, heads * dim)
+
+
+@dataclass
+class TiledPrefillBatch:
+    """Prefill chunks of one or more sequences packed along the token axis; each attends alone over
+    its whole context, read in place when it is one run of slots, else gathered."""
+
+    write_slots: torch.Tensor  # [T]: each new token's slot, sequence by sequence
+    contexts: list[torch.Tensor]  # [start_i + S_i] slots of sequence i's context, its new tokens last
+    starts: list[int]  # position of sequence i's first new token
+    offsets: list[int]  # [len(contexts) + 1]: sequence i's new tokens are rows [offsets[i], offsets[i + 1])
+    read_starts: list[int | None]  # first slot of context i when it is one run, else None
+
+    @classmethod
+    def build(cls, contexts: list[torch.Tensor], starts: list[int]) -> "TiledPrefillBatch":
+        offsets = [0]
+        for context, start in zip(contexts, starts):
+            offsets.append(offsets[-1] + context.numel() - start)
+        write = torch.cat([context[start:] for context, start in zip(contexts, starts)])
+        return cls(write, contexts, starts, offsets, [run_start(c) for c in contexts])
+
+
+def tiled_attention(
+    layer: int,
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D] (already rotated)
+    v: torch.Tensor,  # [T, Hkv, D]
+    cache: PagedKVCache,
+    batch: TiledPrefillBatch,
+) -> torch.Tensor:  # [T, H * D]
+    cache.write(layer, batch.write_slots, k, v)
+    k_cache, v_cache = cache.layer(layer)  # [slots, Hkv, D]
+    outs = []
+    for i, (context, start, first) in enumerate(zip(batch.contexts, batch.starts, batch.read_starts)):
+        a, b = batch.offsets[i], batch.offsets[i + 1]
+        if start == 0:  # a fresh prompt: its keys are the new tokens themselves
+            kc, vc = k[a:b], v[a:b]
+        elif first is not None:  # one run of slots: views of the pool, no copy
+            kc, vc = k_cache[first:first + context.numel()], v_cache[first:first + context.numel()]
+        else:
+            kc, vc = k_cache.index_select(0, context), v_cache.index_select(0, context)  # [ctx, Hkv, D]
+        outs.append(tiled_prefill_attention(q[a:b], kc, vc, start))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
