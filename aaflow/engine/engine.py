@@ -9,6 +9,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from aaflow.engine.allocator import keep_freed_memory
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.dtypes import DTYPES, resolve_dtype
 from aaflow.engine.fingerprint import model_fingerprint, weights_digest
@@ -54,6 +55,9 @@ class Engine(PromptText):
     ) -> "Engine":
         """Load a registered model (e.g. "smollm2", fetched on first use) or a Hugging Face folder.
 
+        The first engine of a process tunes glibc's malloc to keep freed memory (`allocator.py`;
+        `AAFLOW_MALLOC_TUNING=0` opts out).
+
         Args:
             dtype: "float32", "bfloat16" or "float16" for weights and KV; "auto" (default) is
                 bfloat16 on CPUs with native bf16 and float32 on the others (`dtypes.resolve_dtype`).
@@ -72,6 +76,7 @@ class Engine(PromptText):
         from transformers import AutoTokenizer
 
         dtype = resolve_dtype(dtype)
+        keep_freed_memory()
         if threads is not None:
             torch.set_num_threads(threads)
         folder = resolve_model_path(name_or_folder)

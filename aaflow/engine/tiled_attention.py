@@ -54,17 +54,20 @@ def tiled_prefill_attention(
     mask = _MASKS.get(q.dtype)
     if mask is None:
         mask = _MASKS[q.dtype] = _diagonal_mask(TILE_TOKENS, q.dtype)
-    qg = (q * dim ** -0.5).view(T, kv_heads, group, dim).transpose(0, 1)  # [Hkv, T, G, D]
+    qg = (q * dim ** -0.5).view(T, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, T * group, dim)  # rows (t, g)
     kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
     vh = v.transpose(0, 1)  # [Hkv, ctx, D]
     out = torch.empty(kv_heads, T, group, dim, dtype=q.dtype)  # [Hkv, T, G, D]
+    # one buffer for every tile's scores: fresh multi-megabyte tensors per tile cost page faults
+    buffer = torch.empty(kv_heads * min(T, TILE_TOKENS) * group * k.shape[0], dtype=q.dtype)
     for s in range(0, T, TILE_TOKENS):
         e = min(T, s + TILE_TOKENS)
         t, keys = e - s, start + e
-        scores = torch.matmul(qg[:, s:e].reshape(kv_heads, t * group, dim), kt[:, :, :keys])  # [Hkv, t*G, keys]
+        scores = buffer[: kv_heads * t * group * keys].view(kv_heads, t * group, keys)
+        torch.matmul(qg[:, s * group:e * group], kt[:, :, :keys], out=scores)  # [Hkv, t*G, keys]
         scores.view(kv_heads, t, group, keys)[..., start + s:] += mask[:t, :t][None, :, None, :]
-        probs = torch.softmax(scores, dim=-1)  # [Hkv, t*G, keys], bf16 out, fp32 inside
-        out[:, s:e] = torch.matmul(probs, vh[:, :keys]).view(kv_heads, t, group, dim)
+        torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # in place; bf16 out, fp32 inside
+        out[:, s:e] = torch.matmul(scores, vh[:, :keys]).view(kv_heads, t, group, dim)
     return out.transpose(0, 1).reshape(T, heads * dim)
 
 
