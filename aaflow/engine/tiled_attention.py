@@ -24,6 +24,7 @@ kernel.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,9 @@ from aaflow.engine.kv_cache import PagedKVCache
 TILE_TOKENS = 128  # 32 and 64 measured slower at 512-2,048 tokens (256 not tried in this form)
 
 
-def _diagonal_mask(tile: int, dtype: torch.dtype) -> torch.Tensor:  # [tile, tile]: -inf above the diagonal
-    return torch.full((tile, tile), float("-inf"), dtype=dtype).triu(1)
-
-
-_MASKS: dict[torch.dtype, torch.Tensor] = {}
+@functools.cache
+def _diagonal_mask(dtype: torch.dtype) -> torch.Tensor:  # [TILE_TOKENS, TILE_TOKENS]: -inf above the diagonal
+    return torch.full((TILE_TOKENS, TILE_TOKENS), float("-inf"), dtype=dtype).triu(1)
 
 
 def tiled_prefill_attention(
@@ -51,9 +50,7 @@ def tiled_prefill_attention(
     T, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
-    mask = _MASKS.get(q.dtype)
-    if mask is None:
-        mask = _MASKS[q.dtype] = _diagonal_mask(TILE_TOKENS, q.dtype)
+    mask = _diagonal_mask(q.dtype)
     qg = (q * dim ** -0.5).view(T, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, T * group, dim)  # rows (t, g)
     kt = k.permute(1, 2, 0)  # [Hkv, D, ctx]
     vh = v.transpose(0, 1)  # [Hkv, ctx, D]
