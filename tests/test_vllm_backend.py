@@ -118,8 +118,10 @@ def _check_greedy_equal_or_tie(builtin_engine, prompt_ids, ours: list[int], thei
     gap = _builtin_gap(builtin_engine, prompt_ids + ours[:j], ours[j], theirs[j])
     print(f"{label}: first difference at generated position {j}: built-in {ours[j]} vs vLLM {theirs[j]}, "
           f"built-in logit gap {gap:.3f} (bound {BF16_TIE_GAP})")
-    assert 0 <= gap <= BF16_TIE_GAP, (f"{label}: greedy differs at {j} with built-in logit gap {gap:.3f} > "
-                                      f"{BF16_TIE_GAP}: built-in {ours} vs vLLM {theirs}")
+    # The gap comes from a one-pass prefill, but the built-in picked its token in batched decode; in bf16 the
+    # two round differently, so at a near-tie the sign may flip. A real divergence shows as a large |gap|.
+    assert abs(gap) <= BF16_TIE_GAP, (f"{label}: greedy differs at {j} with built-in logit gap {gap:.3f}, "
+                                      f"beyond +-{BF16_TIE_GAP}: built-in {ours} vs vLLM {theirs}")
     return j
 
 
