@@ -67,10 +67,11 @@ def deployment_rows(report: dict) -> list[str]:
     return rows
 
 
-def summary(results_dir: Path) -> str:
-    path = results_dir / "workflows.json"
+def summary(results: Path) -> str:
+    """The summary table from `results` (the workflows JSON, or the folder that holds workflows.json)."""
+    path = results if results.suffix == ".json" else results / "workflows.json"
     if not path.exists():
-        return f"(no {path.relative_to(ROOT)}: run `aaflow bench workflows` and copy its JSON there)"
+        return f"(no {path}: run `aaflow bench workflows` and copy its JSON there)"
     report = json.loads(path.read_text())
     machine = report.get("machine", {})
     lines = [f"Run: {machine.get('time', '?')}, {machine.get('cpu_model', '?')} ({machine.get('cpu_kind', '?')}), "
@@ -91,7 +92,8 @@ def rewrite(results_md: Path, table: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    p.add_argument("--results", type=Path, default=ROOT / "docs" / "results",
+                   help="the folder holding workflows.json, or the JSON file itself")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "RESULTS.md")
     p.add_argument("--print", action="store_true", help="print the table instead of rewriting --out")
 
