@@ -3,11 +3,13 @@ over the gathered context."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from aaflow.engine import run_attention
-from aaflow.engine.run_attention import ContextPieces, attend_pieces, reads_in_place_pays
+from aaflow.engine.run_attention import (ContextPieces, attend_pieces, block_diagonal_queries, own_heads,
+                                         reads_in_place_pays)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -22,16 +24,27 @@ def test_context_pieces_keep_long_runs_in_place_and_gather_the_rest():
     assert ContextPieces.of(torch.arange(5, 9)).runs == [] and ContextPieces.of(torch.arange(5, 9)).gathered.numel() == 4
 
 
+def _attend(q: torch.Tensor, pieces, num_kv_heads: int) -> torch.Tensor:  # q: [N, H, D] -> [N, H, D]
+    qbd = block_diagonal_queries(q * q.shape[-1] ** -0.5, num_kv_heads)  # [N, H, Hkv * D]
+    out = torch.empty_like(qbd)
+    for n in range(q.shape[0]):
+        attend_pieces(qbd[n], pieces, out[n])
+    return own_heads(out, num_kv_heads).view(q.shape)
+
+
+def _sdpa(q, keys, values):  # q: [N, H, D]; keys, values: [ctx, Hkv, D]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], enable_gqa=True)  # [1, H, N, D]
+    return ref[0].transpose(0, 1)
+
+
 def test_attend_pieces_equals_attention_over_the_joined_keys():
     torch.manual_seed(0)
     q = torch.randn(2, 6, 16)  # 2 queries, 6 heads, 2 kv heads (groups of 3)
     keys, values = torch.randn(3, 50, 2, 16), torch.randn(3, 50, 2, 16)  # 3 pieces of 50 tokens
     pieces = [(k.reshape(50, 32), v.reshape(50, 32)) for k, v in zip(keys, values)]
-    out = attend_pieces(q, pieces, num_kv_heads=2)  # [2, 6, 16]
-    k_all = keys.reshape(150, 2, 16).transpose(0, 1)[None]  # [1, 2, 150, 16]
-    v_all = values.reshape(150, 2, 16).transpose(0, 1)[None]
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_all, v_all, enable_gqa=True)  # [1, 6, 2, 16]
-    assert rel_err(out, ref[0].transpose(0, 1)) <= 1e-5
+    out = _attend(q, pieces, num_kv_heads=2)
+    assert rel_err(out, _sdpa(q, keys.reshape(150, 2, 16), values.reshape(150, 2, 16))) <= 1e-5
 
 
 def test_in_place_reads_chosen_for_one_sequence_and_for_many_long_private_contexts():
@@ -42,11 +55,18 @@ def test_in_place_reads_chosen_for_one_sequence_and_for_many_long_private_contex
     assert not reads_in_place_pays([2048] * 16, [list(range(200))] * 16, 16)  # shared: cascade
 
 
-def test_decode_read_in_place_gives_the_logits_of_the_gathered_flash_path(make_engine, tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("in_place", [True, False], ids=["runs-in-place", "gathered-products"])
+def test_decode_as_products_gives_the_logits_of_the_gathered_flash_path(make_engine, tiny_llama_dir, monkeypatch,
+                                                                          in_place):
     """Two sequences whose blocks interleave (each context is a long run and scattered blocks), decoded
-    together and alone, in fp32 with the in-place path forced on, against the flash path."""
-    monkeypatch.setattr(run_attention, "LONG_CONTEXT_TOKENS", 1)
-    monkeypatch.setattr(run_attention, "MANY_CONTEXT_TOKENS", 1)
+    together and alone, in fp32 with the product paths on (reads in place, or the gathered batch's
+    products), against the flash path."""
+    threshold = 1 if in_place else 10**9
+    monkeypatch.setattr(run_attention, "LONG_CONTEXT_TOKENS", threshold)
+    monkeypatch.setattr(run_attention, "MANY_CONTEXT_TOKENS", threshold)
+    batches = []
+    monkeypatch.setattr(run_attention.GatheredDecodeBatch, "build", _recorded(run_attention.GatheredDecodeBatch.build,
+                                                                             batches))
     engines = [make_engine(tiny_llama_dir, num_blocks=64, dtype="float32") for _ in range(2)]
     engines[0].runner.run_decode, engines[1].runner.run_decode = True, False
     logits = []
@@ -63,3 +83,12 @@ def test_decode_read_in_place_gives_the_logits_of_the_gathered_flash_path(make_e
         engine.free(b)
     for step, (ours, ref) in enumerate(zip(*logits)):
         assert rel_err(ours, ref) <= 1e-5, f"step {step}"
+    assert (len(batches) == 0) == in_place  # two sequences of unequal lengths: padded
+    assert all(b.padding is not None for b in batches)
+
+
+def _recorded(build, into: list):
+    def wrapper(*args):
+        into.append(build(*args))
+        return into[-1]
+    return staticmethod(wrapper)

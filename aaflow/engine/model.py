@@ -12,16 +12,19 @@ from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.linear import Linear
 from aaflow.engine.rope import RotaryTable
-from aaflow.engine.run_attention import RunsDecodeBatch, runs_decode_attention
+from aaflow.engine.run_attention import (GatheredDecodeBatch, RunsDecodeBatch, gathered_decode_attention,
+                                         runs_decode_attention)
 from aaflow.engine.tiled_attention import TiledPrefillBatch, tiled_attention
 from aaflow.engine.weights import LayerWeights, ModelWeights
 
 
-Batch = AttentionBatch | PackedBatch | CascadeBatch | FixedBatch | RunsDecodeBatch | TiledPrefillBatch
+Batch = (AttentionBatch | PackedBatch | CascadeBatch | FixedBatch | RunsDecodeBatch | GatheredDecodeBatch
+         | TiledPrefillBatch)
 
 
 _ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention,
-              RunsDecodeBatch: runs_decode_attention, TiledPrefillBatch: tiled_attention}  # others: paged_attention
+              RunsDecodeBatch: runs_decode_attention, GatheredDecodeBatch: gathered_decode_attention,
+              TiledPrefillBatch: tiled_attention}  # others: paged_attention
 
 
 class LlamaModel:

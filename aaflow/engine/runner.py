@@ -15,7 +15,7 @@ from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefi
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
-from aaflow.engine.run_attention import RunsDecodeBatch, reads_in_place_pays
+from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
 from aaflow.engine.tiled_attention import TiledPrefillBatch
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
@@ -285,9 +285,12 @@ class KVRunner(KVImportExport):
             batch = RunsDecodeBatch.build(write, contexts)
         else:
             shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
-            batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
-            if shared:
-                batch = CascadeBatch(contexts[0][:shared], batch)
+            if self.run_decode and not shared:
+                batch = GatheredDecodeBatch.build(write, contexts)
+            else:
+                batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
+                if shared:
+                    batch = CascadeBatch(contexts[0][:shared], batch)
         logits = self.model.forward(torch.tensor(token_ids), positions, self.cache, batch)
         for seq, tok in zip(seqs, token_ids):
             seq.token_ids.append(tok)
