@@ -199,6 +199,7 @@ def run(args) -> dict:
             report["transformers"] = "skipped (quick mode, --no-transformers or --engine vllm)"
     if args.skip_ablation:
         write_json(args.out, report)
+        _plot(args.out, report)
         return report
     ab_strategies = ["text", "stream", "transfer+stream"]
     cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=ablation_pool, prefix_caching=False)
@@ -229,12 +230,14 @@ def _plot(out, report) -> None:
         if isinstance(report.get("transformers"), dict):
             series["transformers (text)"] = {w: v["wall_s"] for w, v in report["transformers"].items()}
         panels.append({"title": "end-to-end latency", "kind": "bar", "ylabel": "s", "series": series})
-    ab = report["ablation"]
-    panels.append({"title": f"ablation: {ab['concurrency']} A->B pairs, shared {ab['prefix_tokens']}-token prefix",
-                   "kind": "bar", "ylabel": "s",
-                   "series": {s: {"B response latency": ab[s]["response_latency_s"], "wall": ab[s]["wall_s"]}
-                              for s in ("text", "stream", "transfer+stream")}})
-    write_plot(out, panels)
+    ab = report.get("ablation")
+    if ab:
+        panels.append({"title": f"ablation: {ab['concurrency']} A->B pairs, shared {ab['prefix_tokens']}-token prefix",
+                       "kind": "bar", "ylabel": "s",
+                       "series": {s: {"B response latency": ab[s]["response_latency_s"], "wall": ab[s]["wall_s"]}
+                                  for s in ("text", "stream", "transfer+stream")}})
+    if panels:
+        write_plot(out, panels)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
