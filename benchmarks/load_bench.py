@@ -81,6 +81,10 @@ def run(args) -> dict:
         wall = time.perf_counter() - start
         stop.set()
         watcher.join()
+        import ray
+
+        # every run has ended: what the pools still hold is leaked (or pinned) KV
+        end_used = {r.name: ray.get(r.actor.stats.remote())["used_blocks"] for r in cluster.replicas()}
     finally:
         cluster.shutdown()
     done = [(i, res, s) for i, (res, s, err) in enumerate(outcomes) if res is not None]
@@ -93,13 +97,13 @@ def run(args) -> dict:
         "latency_p99_s": _percentile(latencies, 0.99) if latencies else None,
         "wall_s": wall, "workflows_per_min": 60 * len(done) / wall,
         "alone_wall_s_median": statistics.median(r.wall_s for r in alone),
-        "peak_used_blocks": peak, "pool_blocks": pools,
+        "peak_used_blocks": peak, "end_used_blocks": end_used, "pool_blocks": pools,
         "over_budget": any(peak.get(n, 0) > pools[n] for n in pools),
         "preemptions": sum(e.count("preempted") for _, res, _ in done for e in res.events),
     })
     log(f"load: {len(done)}/{args.workflows} completed, {len(report['failed'])} failed, {len(differ)} differ; "
         f"p50 {report['latency_p50_s']:.2f} s, p99 {report['latency_p99_s']:.2f} s, "
-        f"{report['workflows_per_min']:.1f} workflows/min; peak KV {peak} of {pools}")
+        f"{report['workflows_per_min']:.1f} workflows/min; peak KV {peak} of {pools}, held at the end {end_used}")
     write_json(args.out, report)
     return report
 

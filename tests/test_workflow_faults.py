@@ -64,6 +64,22 @@ def test_a_failing_upstream_agent_stops_its_consumers_with_a_clear_error(fresh_c
         assert ray.get(r.actor.session_count.remote()) == 0, "sessions are closed after a failure"
 
 
+def test_a_failed_run_leaves_no_kv_behind(fresh_cluster):
+    """A run that fails after materializing its shared document frees it with its sessions: other
+    runs on those replicas get the blocks back."""
+    import ray
+
+    cluster, model = fresh_cluster
+    for r in cluster.replicas():
+        ray.get(r.actor.inject_fault.remote("error", 3))
+    with pytest.raises(af.AgentFailedError, match="injected agent failure"):
+        af.run(fan_out(model), cluster, strategy="transfer", call_timeout_s=30)
+    for r in cluster.replicas():
+        assert ray.get(r.actor.session_count.remote()) == 0
+        stats = ray.get(r.actor.stats.remote())
+        assert stats["used_blocks"] == 0 and stats["refs"] == 0, f"{r.name} still holds KV of the failed run: {stats}"
+
+
 @pytest.mark.smollm2
 def test_smollm2_review_workflow_identical_across_strategies_in_fp32(smollm2_dir):
     from configs import CONFIG_DIR

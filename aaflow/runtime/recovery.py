@@ -46,10 +46,20 @@ class Recovery:
         self.jitter = random.Random(scheduler.run_id)
 
     def cleanup(self) -> None:
-        """After a failure: close every session still open on a live replica (bounded wait)."""
+        """After a failure: close every session still open, end every exposure and free every
+        shared prefix the run holds on a live replica (bounded wait), so that a failed run leaves no
+        KV behind for the runs that share its replicas."""
         s = self.scheduler
-        tickets = [s.backend.submit(a.replica, Call(CallKind.CLOSE, (a.sid,))) for a in s.agents.values()
-                   if a.replica is not None and a.replica not in s.dead and a.state != "done"]
+        calls = [(a.replica, Call(CallKind.CLOSE, (a.sid,))) for a in s.agents.values()
+                 if a.replica is not None and a.replica not in s.dead and a.state != "done"]
+        calls += [(source, Call(CallKind.RELEASE, (handle, transport)))
+                  for source, handle, transport in s.prefixes.transferring.values()
+                  if handle is not None and source not in s.dead]  # an exposure holds the source's blocks
+        calls += [(rname, Call(CallKind.FREE, (ref_id,))) for holders in s.prefixes.refs.values()
+                  for rname, ref_id in holders.items() if rname not in s.dead]
+        s.prefixes.transferring.clear()
+        s.prefixes.refs.clear()
+        tickets = [s.backend.submit(rname, call) for rname, call in calls]
         s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
 
     def _restart(self, agent, gate: bool = False) -> None:
