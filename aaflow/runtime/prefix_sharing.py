@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
     from aaflow.runtime.scheduler import Scheduler
 
-Prefix = tuple  # (model, prefix token ids)
+Prefix = tuple  # (model, token ids, None or (compose mode, r, the parts' lengths))
 
 
 class PrefixSharing:
@@ -27,6 +27,7 @@ class PrefixSharing:
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
         self.transferring: dict[tuple, tuple] = {}  # prefix + (dest,) -> (source, handle or None, transport)
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
+        self.composing: dict[Prefix, list] = {}  # composed prefix -> its parts' records so far (None: not yet)
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
 
@@ -77,13 +78,18 @@ class PrefixSharing:
             return
         mode, r, lengths = prefix[2]
         parts: list = [None] * len(lengths)
+        self.composing[prefix] = parts
 
         def made(i: int, record) -> None:
+            if self.composing.get(prefix) is not parts:  # abandoned: another part was refused
+                self.queues.call(rname, CallKind.FREE, record.id)
+                return
             parts[i] = record
             if all(p is not None for p in parts):
                 self.queues.call(rname, CallKind.COMPOSE, [p.id for p in parts], mode, r, then=composed)
 
         def composed(record) -> None:
+            del self.composing[prefix]
             for part in parts:
                 self.queues.call(rname, CallKind.FREE, part.id)
             self.fidelity[prefix] = record.fidelity
@@ -182,17 +188,22 @@ class PrefixSharing:
                     self.fork_into(agent, prefix)
 
     def materialize_refused(self, rname: str, token_ids) -> list[AgentState]:
-        """The replica had no room to compute a shared prefix: forget that it computes it and hand
-        back every agent waiting for it (anywhere), to be preempted; the first of them to open
-        again computes it then. [] when the tokens are no plain prefix computed there (a composed
-        prefix's part: its run fails as before)."""
+        """The replica had no room to compute a shared prefix, or a part of a composed one: hand
+        back the agents waiting for it there, to be preempted (and, if it was computed there for
+        everyone, every agent waiting for it anywhere, forgetting that it is computed there; a
+        composition's parts made so far are freed); the first of them to open again fetches or
+        computes it then. [] when nothing waits for those tokens there."""
         tokens = tuple(token_ids)
-        prefix = next((p for p, origin in self.origin.items()
-                       if origin == rname and p[2] is None and p[1] == tokens), None)
-        if prefix is None:
-            return []
-        del self.origin[prefix]
-        return [agent for key in [k for k in self.waiters if k[:-1] == prefix] for agent in self.waiters.pop(key)]
+        prefix = next((p for p, origin in self.origin.items() if origin == rname and tokens in _pieces(p)), None)
+        if prefix is not None:
+            del self.origin[prefix]
+            for part in self.composing.pop(prefix, []):
+                if part is not None:
+                    self.queues.call(rname, CallKind.FREE, part.id)
+            keys = [k for k in self.waiters if k[:-1] == prefix]
+        else:  # computed there after a failed transfer to it: its own waiters only
+            keys = [k for k in self.waiters if k[-1] == rname and k[2] is None and k[1] == tokens]
+        return [agent for key in keys for agent in self.waiters.pop(key)]
 
     def transfer_failed(self) -> None:
         """Recompute every prefix in transit where it was going; release what the sources exposed."""
@@ -201,3 +212,14 @@ class PrefixSharing:
             if handle is not None:
                 self.queues.call(source, CallKind.RELEASE, handle, transport)
             self._materialize(key[:-1], key[-1])
+
+
+def _pieces(prefix: Prefix) -> list[tuple]:
+    """The token tuples materialized for a prefix: itself, or each part of a composed one."""
+    if prefix[2] is None:
+        return [prefix[1]]
+    lengths, start, pieces = prefix[2][2], 0, []
+    for n in lengths:
+        pieces.append(tuple(prefix[1][start:start + n]))
+        start += n
+    return pieces

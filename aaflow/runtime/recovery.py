@@ -9,7 +9,7 @@ of KV blocks preempts: the agents whose prompt it carried (for a decode step, th
 last; for a shared prefix, the agents waiting for it) close their sessions and start over once
 something of the run on that replica ends, or, when nothing of the run is left running (other runs
 hold the KV), after a backoff. An agent that fails stops the run with an error naming it and the
-consumers that will not run.
+consumers that will not run; the failed run then frees everything it holds on the replicas.
 """
 
 from __future__ import annotations
@@ -46,21 +46,46 @@ class Recovery:
         self.jitter = random.Random(scheduler.run_id)
 
     def cleanup(self) -> None:
-        """After a failure: close every session still open, end every exposure and free every
-        shared prefix the run holds on a live replica (bounded wait), so that a failed run leaves no
-        KV behind for the runs that share its replicas."""
+        """After a failure: let the calls in flight end, then close every session still open, end
+        every exposure and free every shared prefix (or composed prefix's part) the run holds on a
+        live replica (bounded waits), so that a failed run leaves no KV behind for the runs that
+        share its replicas."""
         s = self.scheduler
-        calls = [(a.replica, Call(CallKind.CLOSE, (a.sid,))) for a in s.agents.values()
+        calls = self._made_in_flight()
+        calls += [(a.replica, Call(CallKind.CLOSE, (a.sid,))) for a in s.agents.values()
                  if a.replica is not None and a.replica not in s.dead and a.state != "done"]
         calls += [(source, Call(CallKind.RELEASE, (handle, transport)))
                   for source, handle, transport in s.prefixes.transferring.values()
                   if handle is not None and source not in s.dead]  # an exposure holds the source's blocks
         calls += [(rname, Call(CallKind.FREE, (ref_id,))) for holders in s.prefixes.refs.values()
                   for rname, ref_id in holders.items() if rname not in s.dead]
+        calls += [(s.prefixes.origin[prefix], Call(CallKind.FREE, (part.id,)))
+                  for prefix, parts in s.prefixes.composing.items() for part in parts
+                  if part is not None and s.prefixes.origin.get(prefix) not in (None, *s.dead)]
+        s.prefixes.composing.clear()
         s.prefixes.transferring.clear()
         s.prefixes.refs.clear()
         tickets = [s.backend.submit(rname, call) for rname, call in calls]
         s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
+
+    def _made_in_flight(self) -> list[tuple[str, Call]]:
+        """Wait (bounded) for the run's calls still in flight and name what their results hold on a
+        replica (a new ref, an exposure), for cleanup to free it too."""
+        s = self.scheduler
+        pending = [t for t in s.queues.inflight if t.replica not in s.dead]
+        frees = []
+        for ticket in s.backend.wait(pending, len(pending), CLEANUP_TIMEOUT_S) if pending else []:
+            try:
+                value = s.backend.result(ticket)
+            except Exception:  # noqa: BLE001 - a call that failed holds nothing
+                continue
+            kind = ticket.call.kind
+            if kind in (CallKind.MATERIALIZE, CallKind.COMPOSE, CallKind.RECEIVE):
+                record = value[0] if kind is CallKind.RECEIVE else value  # RECEIVE: (record, stats)
+                frees.append((ticket.replica, Call(CallKind.FREE, (record.id,))))
+            elif kind is CallKind.EXPOSE:  # (handle, shape, record); args: (ref id, transport)
+                frees.append((ticket.replica, Call(CallKind.RELEASE, (value[0], ticket.call.args[1]))))
+        return frees
 
     def _restart(self, agent, gate: bool = False) -> None:
         """Start an agent over from its prompt (its lineage) on a live replica; `gate`: only once

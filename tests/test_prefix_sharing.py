@@ -1,0 +1,46 @@
+"""Shared prefixes refused for lack of KV (aaflow/runtime/prefix_sharing.py): who gets preempted."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from aaflow.runtime.calls import CallKind
+from aaflow.runtime.prefix_sharing import PrefixSharing
+
+
+def test_a_refused_materialize_hands_back_the_agents_waiting_for_it():
+    """A prefix computed on r0 for everyone, refused there: every waiter, anywhere, is handed back.
+    r1 computing it itself after its transfer failed, refused: r1's waiters only (under load these
+    found no agent to preempt and failed their run)."""
+    sharing = PrefixSharing(SimpleNamespace(queues=None), "ray")
+    prefix = ("model", (1, 2, 3), None)
+    sharing.origin[prefix] = "r0"
+    at_r1, at_r2 = object(), object()
+    sharing.waiters[prefix + ("r1",)] = [at_r1]  # its transfer failed: r1 materializes it itself
+    sharing.waiters[prefix + ("r2",)] = [at_r2]  # waits for r0's copy
+    assert sharing.materialize_refused("r1", [1, 2, 3]) == [at_r1]
+    assert sharing.origin[prefix] == "r0" and list(sharing.waiters) == [prefix + ("r2",)]
+    assert sharing.materialize_refused("r0", [1, 2, 3]) == [at_r2]
+    assert prefix not in sharing.origin and not sharing.waiters
+    assert sharing.materialize_refused("r0", [4, 5]) == []  # nothing of the kind computed there
+
+
+def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back_its_waiters():
+    calls = []
+    queues = SimpleNamespace(call=lambda replica, kind, *args, then=None: calls.append((kind, args, then)))
+    sharing = PrefixSharing(SimpleNamespace(queues=queues), "ray")
+    prefix = ("model", (1, 2, 3, 4, 5, 6), ("exact", 0, (2, 3, 1)))
+    waiter = object()
+    sharing.waiters[prefix + ("r0",)] = [waiter]
+    sharing.origin[prefix] = "r0"
+    sharing._materialize(prefix, "r0")
+    assert [(kind, args[0]) for kind, args, _ in calls] == [(CallKind.MATERIALIZE, [1, 2]),
+                                                             (CallKind.MATERIALIZE, [3, 4, 5]),
+                                                             (CallKind.MATERIALIZE, [6])]
+    made_first, made_last = calls[0][2], calls[2][2]
+    made_first(SimpleNamespace(id="part0"))
+    assert sharing.materialize_refused("r0", [3, 4, 5]) == [waiter]
+    assert calls[-1][:2] == (CallKind.FREE, ("part0",))  # the part made so far
+    made_last(SimpleNamespace(id="part2"))  # a part that ends after the refusal is freed too
+    assert calls[-1][:2] == (CallKind.FREE, ("part2",))
+    assert not sharing.composing and prefix not in sharing.origin and not sharing.waiters
