@@ -25,6 +25,25 @@ def test_a_refused_materialize_hands_back_the_agents_waiting_for_it():
     assert sharing.materialize_refused("r0", [4, 5]) == []  # nothing of the kind computed there
 
 
+def test_a_composed_prefix_made_on_two_replicas_at_once_keeps_both_compositions():
+    """Two failed transfers of one composed prefix: each destination composes it; a refusal on one
+    abandons that one only."""
+    calls = []
+    queues = SimpleNamespace(call=lambda replica, kind, *args, then=None: calls.append((replica, kind, args, then)))
+    sharing = PrefixSharing(SimpleNamespace(queues=queues), "ray")
+    prefix = ("model", (1, 2, 3), ("exact", 0, (1, 2)))
+    at_r1, at_r2 = object(), object()
+    sharing.waiters[prefix + ("r1",)], sharing.waiters[prefix + ("r2",)] = [at_r1], [at_r2]
+    sharing._materialize(prefix, "r1")
+    sharing._materialize(prefix, "r2")
+    assert sharing.materialize_refused("r1", [2, 3]) == [at_r1]
+    assert list(sharing.composing) == [prefix + ("r2",)] and list(sharing.waiters) == [prefix + ("r2",)]
+    r2_calls = [c for c in calls if c[0] == "r2"]
+    r2_calls[0][3](SimpleNamespace(id="a"))
+    r2_calls[1][3](SimpleNamespace(id="b"))
+    assert calls[-1][:3] == ("r2", CallKind.COMPOSE, (["a", "b"], "exact", 0))  # r2 still composes
+
+
 def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back_its_waiters():
     calls = []
     queues = SimpleNamespace(call=lambda replica, kind, *args, then=None: calls.append((kind, args, then)))

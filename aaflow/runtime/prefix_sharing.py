@@ -27,7 +27,7 @@ class PrefixSharing:
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
         self.transferring: dict[tuple, tuple] = {}  # prefix + (dest,) -> (source, handle or None, transport)
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
-        self.composing: dict[Prefix, list] = {}  # composed prefix -> its parts' records so far (None: not yet)
+        self.composing: dict[tuple, list] = {}  # composed prefix + (replica,) -> its parts' records so far
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
 
@@ -77,11 +77,11 @@ class PrefixSharing:
                              then=lambda rec: self._materialized(prefix, rname, rec))
             return
         mode, r, lengths = prefix[2]
-        parts: list = [None] * len(lengths)
-        self.composing[prefix] = parts
+        parts: list = [None] * len(lengths)  # None: not made yet
+        self.composing[prefix + (rname,)] = parts
 
         def made(i: int, record) -> None:
-            if self.composing.get(prefix) is not parts:  # abandoned: another part was refused
+            if self.composing.get(prefix + (rname,)) is not parts:  # abandoned: another part was refused
                 self.queues.call(rname, CallKind.FREE, record.id)
                 return
             parts[i] = record
@@ -89,7 +89,7 @@ class PrefixSharing:
                 self.queues.call(rname, CallKind.COMPOSE, [p.id for p in parts], mode, r, then=composed)
 
         def composed(record) -> None:
-            del self.composing[prefix]
+            del self.composing[prefix + (rname,)]
             for part in parts:
                 self.queues.call(rname, CallKind.FREE, part.id)
             self.fidelity[prefix] = record.fidelity
@@ -197,12 +197,14 @@ class PrefixSharing:
         prefix = next((p for p, origin in self.origin.items() if origin == rname and tokens in _pieces(p)), None)
         if prefix is not None:
             del self.origin[prefix]
-            for part in self.composing.pop(prefix, []):
-                if part is not None:
-                    self.queues.call(rname, CallKind.FREE, part.id)
             keys = [k for k in self.waiters if k[:-1] == prefix]
         else:  # computed there after a failed transfer to it: its own waiters only
-            keys = [k for k in self.waiters if k[-1] == rname and k[2] is None and k[1] == tokens]
+            prefix = next((k[:-1] for k in self.waiters if k[-1] == rname and tokens in _pieces(k[:-1])), None)
+            keys = [] if prefix is None else [prefix + (rname,)]
+        if prefix is not None:
+            for part in self.composing.pop(prefix + (rname,), []):
+                if part is not None:
+                    self.queues.call(rname, CallKind.FREE, part.id)
         return [agent for key in keys for agent in self.waiters.pop(key)]
 
     def transfer_failed(self) -> None:

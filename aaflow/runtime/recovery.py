@@ -59,9 +59,8 @@ class Recovery:
                   if handle is not None and source not in s.dead]  # an exposure holds the source's blocks
         calls += [(rname, Call(CallKind.FREE, (ref_id,))) for holders in s.prefixes.refs.values()
                   for rname, ref_id in holders.items() if rname not in s.dead]
-        calls += [(s.prefixes.origin[prefix], Call(CallKind.FREE, (part.id,)))
-                  for prefix, parts in s.prefixes.composing.items() for part in parts
-                  if part is not None and s.prefixes.origin.get(prefix) not in (None, *s.dead)]
+        calls += [(key[-1], Call(CallKind.FREE, (part.id,))) for key, parts in s.prefixes.composing.items()
+                  for part in parts if part is not None and key[-1] not in s.dead]
         s.prefixes.composing.clear()
         s.prefixes.transferring.clear()
         s.prefixes.refs.clear()
