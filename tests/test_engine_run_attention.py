@@ -50,8 +50,10 @@ def test_attend_pieces_equals_attention_over_the_joined_keys():
 def test_in_place_reads_chosen_for_one_sequence_and_for_many_long_private_contexts():
     private = [[i * 300 + b for b in range(200)] for i in range(16)]
     assert reads_in_place_pays([100], [[0]], 16)  # one sequence: always
-    assert reads_in_place_pays([2048] * 16, private, 16)  # 32k tokens, none shared
-    assert not reads_in_place_pays([1024] * 32, private * 2, 16)  # short contexts: gathering wins
+    assert reads_in_place_pays([4096] * 8, private[:8], 16)  # 32k tokens in long contexts, none shared
+    assert not reads_in_place_pays([2048] * 16, private, 16)  # shorter contexts: gathering wins
+    assert not reads_in_place_pays([1024] * 32, private * 2, 16)
+    assert reads_in_place_pays([2100] * 32, private * 2, 16)  # too much to gather
     assert not reads_in_place_pays([2048] * 16, [list(range(200))] * 16, 16)  # shared: cascade
 
 

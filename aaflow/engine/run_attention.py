@@ -34,9 +34,11 @@ from aaflow.engine.kv_cache import PagedKVCache, slot_runs
 # A run shorter than this is gathered with the sequence's other short runs into one piece: one
 # product per short block would cost more in calls than its in-place read saves.
 MIN_RUN_TOKENS = 64
-# Below these (each context; all contexts together), gathering the batch for the flash kernel wins.
-LONG_CONTEXT_TOKENS = 2048
+# Below these (each context; all contexts together), gathering the batch for batched products wins,
+# up to GATHER_MAX_TOKENS in all: beyond, the gathered copy (50 MB a layer for SmolLM2) costs more.
+LONG_CONTEXT_TOKENS = 4096
 MANY_CONTEXT_TOKENS = 32768
+GATHER_MAX_TOKENS = 65536
 
 
 @dataclass
@@ -102,15 +104,17 @@ class GatheredDecodeBatch:
 
 def reads_in_place_pays(lengths: list[int], block_tables: list[list[int]], block_size: int) -> bool:
     """Whether a decode step over contexts of these lengths runs faster here than gathered into one
-    padded batch for the flash kernel. Each sequence costs a few calls here, so short contexts lose;
-    sequences that share leading blocks go to cascade attention, which reads those once. Measured
-    (SmolLM2 bf16, tok/s here against gathered): 1 x 1k 0.98x, 1 x 4k 1.16x, 8 x 2k 0.60x, 8 x 4k
-    1.17x, 32 x 1k 0.55x, 32 x 2k 1.54x, 32 x 4k 2.72x; 12 x 2.9k sharing 2.8k 0.45x (cascade wins)."""
+    padded batch (`GatheredDecodeBatch`). Each sequence costs a few calls here, so short contexts
+    lose; sequences that share leading blocks go to cascade attention, which reads those once.
+    Measured in one process (SmolLM2 bf16, a step here against gathered): 8 x 2k 0.89x, 16 x 2k
+    0.72x, 32 x 2k 0.88x, 8 x 4k 1.04x, 16 x 4k 1.08x, 32 x 4k 3.74x; earlier, against the flash
+    kernel, 12 x 2.9k sharing 2.8k 0.45x (cascade wins)."""
     if len(lengths) == 1:
         return True
     if shared_prefix_blocks(block_tables, block_size):
         return False
-    return min(lengths) >= LONG_CONTEXT_TOKENS and sum(lengths) >= MANY_CONTEXT_TOKENS
+    total = sum(lengths)
+    return total > GATHER_MAX_TOKENS or (min(lengths) >= LONG_CONTEXT_TOKENS and total >= MANY_CONTEXT_TOKENS)
 
 
 def block_diagonal_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
