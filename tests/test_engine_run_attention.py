@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine import run_attention
-from aaflow.engine.run_attention import (ContextPieces, attend_pieces, block_diagonal_queries, own_heads,
-                                         reads_in_place_pays)
+from aaflow.engine.run_attention import (ContextPieces, attend_pieces, own_heads, reads_in_place_pays,
+                                         scaled_block_queries)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -25,7 +25,7 @@ def test_context_pieces_keep_long_runs_in_place_and_gather_the_rest():
 
 
 def _attend(q: torch.Tensor, pieces, num_kv_heads: int) -> torch.Tensor:  # q: [N, H, D] -> [N, H, D]
-    qbd = block_diagonal_queries(q * q.shape[-1] ** -0.5, num_kv_heads)  # [N, H, Hkv * D]
+    qbd = scaled_block_queries(q, num_kv_heads)  # [N, H, Hkv * D]
     out = torch.empty_like(qbd)
     for n in range(q.shape[0]):
         attend_pieces(qbd[n], pieces, out[n])

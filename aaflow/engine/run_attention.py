@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from aaflow.engine.attention import pad_slots
+from aaflow.engine.attention import AttentionBatch, write_and_gather
 from aaflow.engine.cascade import shared_prefix_blocks
 from aaflow.engine.kv_cache import PagedKVCache, slot_runs
 
@@ -86,20 +86,18 @@ class RunsDecodeBatch:
 @dataclass
 class GatheredDecodeBatch:
     """One new token for each of `batch` sequences, whose contexts are gathered into one padded
-    batch: where in-place reads do not pay (many short contexts), two batched products over the
-    gathered keys beat the flash kernel, which ran one-row products here (SmolLM2 bf16, 8 x 1k)."""
+    batch (the flash path's `AttentionBatch.decode`): where in-place reads do not pay (many short
+    contexts), two batched products over the gathered keys beat the flash kernel, which ran one-row
+    products here (SmolLM2 bf16, 8 x 1k)."""
 
-    write_slots: torch.Tensor  # [B]
-    read_slots: torch.Tensor  # [B, ctx]: each context's slots, padded
+    decode: AttentionBatch  # write slots, padded read slots [B, ctx], mask [B, 1, 1, ctx] or None
     padding: torch.Tensor | None  # [B, 1, ctx] bool: True for a padding key; None when all are full
 
     @classmethod
     def build(cls, write_slots: torch.Tensor, contexts: list[torch.Tensor]) -> "GatheredDecodeBatch":
         """contexts[b]: [len_b] slots of sequence b's context, its new token's included."""
-        lengths = torch.tensor([c.numel() for c in contexts])
-        padded = pad_slots(contexts)  # [B, ctx]
-        padding = torch.arange(padded.shape[1])[None, None, :] >= lengths[:, None, None]
-        return cls(write_slots, padded, padding if bool(padding.any()) else None)
+        decode = AttentionBatch.decode(write_slots, contexts)
+        return cls(decode, None if decode.mask is None else ~decode.mask[:, 0])
 
 
 def reads_in_place_pays(lengths: list[int], block_tables: list[list[int]], block_size: int) -> bool:
@@ -123,6 +121,12 @@ def block_diagonal_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     eye = torch.eye(num_kv_heads, dtype=q.dtype)
     qg = q.view(N, num_kv_heads, heads // num_kv_heads, dim)  # [N, Hkv, G, D]
     return torch.einsum("nhgd,hk->nhgkd", qg, eye).reshape(N, heads, num_kv_heads * dim)
+
+
+def scaled_block_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`block_diagonal_queries` of q / sqrt(D): the scale folded into the queries is exact where it
+    is a power of two (D = 64, 256), so the scores round as scaled products would."""
+    return block_diagonal_queries(q * q.shape[-1] ** -0.5, num_kv_heads)
 
 
 def own_heads(out: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -156,14 +160,11 @@ def gathered_decode_attention(
     cache: PagedKVCache,
     batch: GatheredDecodeBatch,
 ) -> torch.Tensor:  # [B, H * D]
-    cache.write(layer, batch.write_slots, k, v)
-    k_cache, v_cache = cache.layer(layer)
-    kv_heads, dim = k.shape[1], k.shape[2]
-    B, ctx = batch.read_slots.shape
-    flat = batch.read_slots.reshape(-1)
-    keys = k_cache.view(-1, kv_heads * dim).index_select(0, flat).view(B, ctx, kv_heads * dim)
-    values = v_cache.view(-1, kv_heads * dim).index_select(0, flat).view(B, ctx, kv_heads * dim)
-    qbd = block_diagonal_queries(q * dim ** -0.5, kv_heads)  # [B, H, Hkv * D]
+    _, kh, vh = write_and_gather(layer, q, k, v, cache, batch.decode)  # kh, vh: [B, Hkv, ctx, D]
+    B, kv_heads, ctx, dim = kh.shape
+    keys = kh.transpose(1, 2).reshape(B, ctx, kv_heads * dim)  # the gathered rows, as they lie: a view
+    values = vh.transpose(1, 2).reshape(B, ctx, kv_heads * dim)
+    qbd = scaled_block_queries(q, kv_heads)  # [B, H, Hkv * D]
     scores = torch.bmm(qbd, keys.transpose(1, 2))  # [B, H, ctx]
     if batch.padding is not None:
         scores.masked_fill_(batch.padding, float("-inf"))
@@ -181,9 +182,8 @@ def runs_decode_attention(
 ) -> torch.Tensor:  # [B, H * D]
     cache.write(layer, batch.write_slots, k, v)
     k_cache, v_cache = cache.layer(layer)
-    kv_heads, dim = k.shape[1], k.shape[2]
-    # 1 / sqrt(D) folded into the queries: exact where it is a power of two (D = 64, 256)
-    qbd = block_diagonal_queries(q * dim ** -0.5, kv_heads)  # [B, H, Hkv * D]
+    kv_heads = k.shape[1]
+    qbd = scaled_block_queries(q, kv_heads)  # [B, H, Hkv * D]
     out = torch.empty_like(qbd)
     for b, ctx in enumerate(batch.contexts):
         attend_pieces(qbd[b], ctx.read(k_cache, v_cache), out[b])
