@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from aaflow.engine.attention import AttentionBatch, PackedBatch, paged_attention
 from aaflow.engine.cascade import CascadeBatch, cascade_attention
 from aaflow.engine.config import ModelConfig
+from aaflow.engine.decode_kernel import KernelDecodeBatch, kernel_decode_attention
 from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.linear import Linear
@@ -19,12 +20,12 @@ from aaflow.engine.weights import LayerWeights, ModelWeights
 
 
 Batch = (AttentionBatch | PackedBatch | CascadeBatch | FixedBatch | RunsDecodeBatch | GatheredDecodeBatch
-         | TiledPrefillBatch)
+         | KernelDecodeBatch | TiledPrefillBatch)
 
 
 _ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention,
               RunsDecodeBatch: runs_decode_attention, GatheredDecodeBatch: gathered_decode_attention,
-              TiledPrefillBatch: tiled_attention}  # others: paged_attention
+              KernelDecodeBatch: kernel_decode_attention, TiledPrefillBatch: tiled_attention}  # others: paged_attention
 
 
 class LlamaModel:

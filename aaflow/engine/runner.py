@@ -11,6 +11,7 @@ import torch
 
 from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
+from aaflow.engine.decode_kernel import KernelDecodeBatch, supports as decode_kernel_supports
 from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefix_blocks
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
@@ -35,6 +36,8 @@ class KVRunner(KVImportExport):
         # bf16 attention as plain products: decode reads runs in place, prefill goes in tiles; fp32
         # keeps the flash kernel (and its results)
         self.run_decode = self.tiled_prefill = model.dtype != torch.float32
+        # bf16 decode through the compiled kernel where it builds (it reads every context in place)
+        self.kernel_decode = decode_kernel_supports(model.dtype, layout.head_dim)
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -281,6 +284,8 @@ class KVRunner(KVImportExport):
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
             batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
+        elif self.kernel_decode:
+            batch = KernelDecodeBatch.build(write, contexts)
         elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
             batch = RunsDecodeBatch.build(write, contexts)
         else:

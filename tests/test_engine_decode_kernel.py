@@ -1,0 +1,115 @@
+"""The compiled bf16 decode attention kernel (decode_kernel.py): the attention of the rounded math
+over paged, scattered slots; a sequence's result independent of its batch; the engine's decode
+through it against its torch product path. Needs a C++ compiler (the kernel is built on first use)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from aaflow.engine import decode_kernel
+from aaflow.models.tiny import make_tiny_model
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler here: the decode kernel cannot be built")
+
+KV_HEADS, GROUP, DIM = 3, 3, 64
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = decode_kernel.load()
+    assert module is not None, "a compiler is present, so the decode kernel must build"
+    return module
+
+
+def _reference(q, k_cache, v_cache, slots):  # q: [H, D]; caches [slots, Hkv, D]; slots [n] -> [H, D]
+    """The kernel's rounding in plain torch: fp32 products, scores and probabilities rounded to bf16."""
+    keys = k_cache[slots].float().repeat_interleave(GROUP, dim=1)  # [n, H, D]
+    values = v_cache[slots].float().repeat_interleave(GROUP, dim=1)
+    scores = torch.einsum("hd,nhd->hn", q.float(), keys).bfloat16()  # [H, n]
+    probs = torch.softmax(scores.float(), dim=-1).bfloat16().float()
+    return torch.einsum("hn,nhd->hd", probs, values)
+
+
+def _paged_batch(lengths: list[int], seed: int = 0):
+    """A pool of scattered slots: each context is a random permutation of free slots (not runs)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = sum(lengths) + 100
+    k_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).bfloat16()
+    v_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).bfloat16()
+    order = torch.randperm(pool, generator=gen)
+    contexts, start = [], 0
+    for n in lengths:
+        contexts.append(order[start:start + n])
+        start += n
+    q = (torch.randn(len(lengths), KV_HEADS * GROUP, DIM, generator=gen) * DIM ** -0.5).bfloat16()
+    return q, k_cache, v_cache, contexts
+
+
+def _run(kernel, q, k_cache, v_cache, contexts):
+    batch = decode_kernel.KernelDecodeBatch.build(torch.zeros(len(contexts), dtype=torch.long), contexts)
+    scores = kernel.decode_scores(q.contiguous(), k_cache, batch.read_slots, batch.lengths)
+    return kernel.decode_values(torch.softmax(scores, dim=-1), v_cache, batch.read_slots, batch.lengths)
+
+
+def test_kernel_is_the_rounded_attention_over_scattered_slots(kernel):
+    lengths = [1, 2, 7, 255, 256, 257, 1031]  # tails of the 4-key tiles, the key pairs and the 256-key chunks
+    q, k_cache, v_cache, contexts = _paged_batch(lengths)
+    out = _run(kernel, q, k_cache, v_cache, contexts).float()  # [B, H, D]
+    for b, slots in enumerate(contexts):
+        ref = _reference(q[b], k_cache, v_cache, slots)
+        ulp = ref.abs().max() * 2 ** -7  # one bf16 rounding of the largest output, plus summation order
+        assert float((out[b] - ref).abs().max()) <= ulp, f"sequence {b} of length {lengths[b]}"
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel):
+    q, k_cache, v_cache, contexts = _paged_batch([300, 1500, 9, 700], seed=1)
+    together = _run(kernel, q, k_cache, v_cache, contexts)
+    for b in range(len(contexts)):
+        alone = _run(kernel, q[b:b + 1], k_cache, v_cache, [contexts[b]])
+        assert torch.equal(alone[0], together[b])
+    reversed_ = _run(kernel, q.flip(0), k_cache, v_cache, contexts[::-1])
+    assert torch.equal(reversed_.flip(0), together)
+
+
+def test_kernel_refuses_what_it_was_not_built_for(kernel):
+    q, k_cache, v_cache, contexts = _paged_batch([10])
+    batch = decode_kernel.KernelDecodeBatch.build(torch.zeros(1, dtype=torch.long), contexts)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel.decode_scores(q.float(), k_cache, batch.read_slots, batch.lengths)
+    with pytest.raises(RuntimeError, match="head dim"):
+        kernel.decode_scores(q[..., :32].contiguous(), k_cache[..., :32].contiguous(), batch.read_slots, batch.lengths)
+    assert decode_kernel.supports(torch.bfloat16, 64) and not decode_kernel.supports(torch.float32, 64)
+    assert not decode_kernel.supports(torch.bfloat16, 16)
+
+
+def test_engine_decode_through_the_kernel_matches_its_product_path(make_engine, tmp_path):
+    """A bf16 model with 64-dim heads: two sequences whose blocks interleave, decoded together and
+    alone, through the kernel and through the torch products; logits agree to bf16 rounding and the
+    greedy tokens are the same."""
+    folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2)
+    engines = [make_engine(folder, num_blocks=64, dtype="bfloat16") for _ in range(2)]
+    assert engines[0].runner.kernel_decode
+    engines[1].runner.kernel_decode = False
+    logits = []
+    for engine in engines:
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.prefill(a, [3 + (i * 7) % 250 for i in range(150)])
+        engine.prefill(b, [5 + (i * 11) % 250 for i in range(90)])
+        steps = [engine.decode([a, b], [10 + i, 20 + i]) for i in range(20)]
+        steps += [engine.decode([a], [40 + i]) for i in range(5)]
+        logits.append(torch.cat(steps).float())
+        engine.free(a)
+        engine.free(b)
+    ours, ref = logits
+    assert float((ours - ref).abs().max() / ref.abs().max()) <= 2e-2
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(decode_kernel.ENV_SWITCH, "0")
+    assert decode_kernel.load() is None and not decode_kernel.supports(torch.bfloat16, 64)
