@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,15 @@ def _build_name() -> str:
     return f"aaflow_decode_attention_{digest}"
 
 
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: only for the progress line
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:
+        return False
+
+
 def load():
     """The compiled kernel module, building it on first call; None where it cannot be built or is
     switched off (AAFLOW_DECODE_KERNEL=0). Thread-safe; tries once per process."""
@@ -65,9 +75,12 @@ def load():
         try:
             from torch.utils.cpp_extension import load as load_extension
 
-            log.info("aaflow: loading the decode attention kernel (the first build takes about 30 s)")
+            name = _build_name()
+            if not _is_built(name):
+                print("aaflow: building the bf16 decode attention kernel, once for this machine (about 30 s) ...",
+                      file=sys.stderr, flush=True)
             _module = load_extension(
-                _build_name(), sources=[str(SOURCE)], verbose=False,
+                name, sources=[str(SOURCE)], verbose=False,
                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             )
         except Exception as error:  # no compiler, no headers: the torch paths still work
