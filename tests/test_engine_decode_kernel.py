@@ -50,9 +50,9 @@ def _paged_batch(lengths: list[int], seed: int = 0):
 
 
 def _run(kernel, q, k_cache, v_cache, contexts):
-    batch = decode_kernel.KernelDecodeBatch.build(torch.zeros(len(contexts), dtype=torch.long), contexts)
-    scores = kernel.decode_scores(q.contiguous(), k_cache, batch.read_slots, batch.lengths)
-    return kernel.decode_values(torch.softmax(scores, dim=-1), v_cache, batch.read_slots, batch.lengths)
+    reads = decode_kernel.KernelReads.of(contexts)
+    scores = kernel.decode_scores(q.contiguous(), k_cache, reads.slots, reads.lengths)
+    return kernel.decode_values(torch.softmax(scores, dim=-1), v_cache, reads.slots, reads.lengths)
 
 
 def test_kernel_is_the_rounded_attention_over_scattered_slots(kernel):
@@ -77,11 +77,11 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel):
 
 def test_kernel_refuses_what_it_was_not_built_for(kernel):
     q, k_cache, v_cache, contexts = _paged_batch([10])
-    batch = decode_kernel.KernelDecodeBatch.build(torch.zeros(1, dtype=torch.long), contexts)
+    reads = decode_kernel.KernelReads.of(contexts)
     with pytest.raises(RuntimeError, match="bf16"):
-        kernel.decode_scores(q.float(), k_cache, batch.read_slots, batch.lengths)
+        kernel.decode_scores(q.float(), k_cache, reads.slots, reads.lengths)
     with pytest.raises(RuntimeError, match="head dim"):
-        kernel.decode_scores(q[..., :32].contiguous(), k_cache[..., :32].contiguous(), batch.read_slots, batch.lengths)
+        kernel.decode_scores(q[..., :32].contiguous(), k_cache[..., :32].contiguous(), reads.slots, reads.lengths)
     assert decode_kernel.supports(torch.bfloat16, 64) and not decode_kernel.supports(torch.float32, 64)
     assert not decode_kernel.supports(torch.bfloat16, 16)
 
@@ -113,3 +113,38 @@ def test_engine_decode_through_the_kernel_matches_its_product_path(make_engine, 
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(decode_kernel.ENV_SWITCH, "0")
     assert decode_kernel.load() is None and not decode_kernel.supports(torch.bfloat16, 64)
+
+
+def test_short_prefill_chunks_through_the_kernel_match_their_tiles(make_engine, tmp_path):
+    """Packed prefill where some chunks are short enough for the kernel (a row per token, causal
+    among the chunk's own tokens) and one is tiled, against every chunk tiled."""
+    folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2)
+    engines = [make_engine(folder, num_blocks=64, dtype="bfloat16") for _ in range(2)]
+    engines[1].runner.kernel_decode = False
+    chunks = [[7, 8, 9], [11], [20 + i for i in range(40)], [30 + i for i in range(8)]]
+    results, routed = [], []
+    for engine in engines:
+        ids = [engine.new_sequence() for _ in chunks]
+        for n, seq in enumerate(ids):
+            engine.prefill(seq, [3 + (i * (5 + n)) % 250 for i in range(60 + 30 * n)])
+        logits, _ = engine.prefill_packed(ids, chunks)
+        results.append(logits.float())
+        for seq in ids:
+            engine.free(seq)
+    ours, ref = results
+    assert float((ours - ref).abs().max() / ref.abs().max()) <= 2e-2
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_short_chunks_are_routed_to_the_kernel_and_long_ones_to_tiles():
+    from aaflow.engine.tiled_attention import KERNEL_ROW_TOKENS, TiledPrefillBatch
+
+    contexts = [torch.arange(10, 23), torch.arange(100, 100 + 50 + KERNEL_ROW_TOKENS + 1), torch.arange(300, 305)]
+    starts = [10, 50, 0]  # 3 new tokens; KERNEL_ROW_TOKENS + 1 new tokens; a fresh 5-token prompt
+    batch = TiledPrefillBatch.build(contexts, starts, kernel_rows=True)
+    assert batch.tiled == [1]
+    short = 3 + 5
+    assert batch.row_tokens.tolist() == [0, 1, 2] + list(range(3 + KERNEL_ROW_TOKENS + 1, 3 + KERNEL_ROW_TOKENS + 1 + 5))
+    assert batch.rows.lengths.tolist() == [11, 12, 13, 1, 2, 3, 4, 5] and len(batch.rows.lengths) == short
+    assert TiledPrefillBatch.build(contexts, starts).rows is None

@@ -95,17 +95,43 @@ def supports(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 @dataclass
+class KernelReads:
+    """Query rows that each attend over their own list of slots (a row's new token's included)."""
+
+    slots: torch.Tensor  # [N, ctx] int64, each row padded past its length
+    lengths: torch.Tensor  # [N] int64
+
+    @classmethod
+    def of(cls, contexts: list[torch.Tensor]) -> "KernelReads":
+        """contexts[n]: [len_n] slots that row n attends over."""
+        return cls(pad_slots(contexts), torch.tensor([c.numel() for c in contexts], dtype=torch.long))
+
+
+@dataclass
 class KernelDecodeBatch:
     """One new token for each of `batch` sequences, each attending over its context read in place."""
 
     write_slots: torch.Tensor  # [B]
-    read_slots: torch.Tensor  # [B, ctx] int64, each row padded past its length
-    lengths: torch.Tensor  # [B] int64
+    reads: KernelReads  # one row per sequence
 
     @classmethod
     def build(cls, write_slots: torch.Tensor, contexts: list[torch.Tensor]) -> "KernelDecodeBatch":
         """contexts[b]: [len_b] slots of sequence b's context, its new token's included."""
-        return cls(write_slots, pad_slots(contexts), torch.tensor([c.numel() for c in contexts], dtype=torch.long))
+        return cls(write_slots, KernelReads.of(contexts))
+
+
+def kernel_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D], every row's keys already written
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    reads: KernelReads,
+) -> torch.Tensor:  # [N, H * D]
+    """Softmax attention of each query row over its slots."""
+    module = load()
+    scaled = (q * q.shape[-1] ** -0.5).contiguous()  # exact for D = 64, 256: scores round as scaled products
+    scores = module.decode_scores(scaled, k_cache, reads.slots, reads.lengths)  # [N, H, ctx], -inf padding
+    probs = torch.softmax(scores, dim=-1)  # reduced dtypes are summed in fp32
+    return module.decode_values(probs, v_cache, reads.slots, reads.lengths).view(q.shape[0], -1)
 
 
 def kernel_decode_attention(
@@ -116,10 +142,5 @@ def kernel_decode_attention(
     cache: PagedKVCache,
     batch: KernelDecodeBatch,
 ) -> torch.Tensor:  # [B, H * D]
-    module = load()
     cache.write(layer, batch.write_slots, k, v)
-    k_cache, v_cache = cache.layer(layer)  # [slots, Hkv, D]
-    scaled = (q * q.shape[-1] ** -0.5).contiguous()  # exact for D = 64, 256: scores round as scaled products
-    scores = module.decode_scores(scaled, k_cache, batch.read_slots, batch.lengths)  # [B, H, ctx], -inf padding
-    probs = torch.softmax(scores, dim=-1)  # reduced dtypes are summed in fp32
-    return module.decode_values(probs, v_cache, batch.read_slots, batch.lengths).view(q.shape[0], -1)
+    return kernel_attention(q, *cache.layer(layer), batch.reads)

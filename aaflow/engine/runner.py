@@ -242,7 +242,7 @@ class KVRunner(KVImportExport):
         if self.model.deterministic:
             batch = FixedBatch(list(zip(contexts, starts)))
         elif self.tiled_prefill:
-            batch = TiledPrefillBatch.build(contexts, starts)
+            batch = TiledPrefillBatch.build(contexts, starts, kernel_rows=self.kernel_decode)
         else:
             shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
             batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])

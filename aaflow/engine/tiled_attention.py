@@ -30,9 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from aaflow.engine.attention import run_start
+from aaflow.engine.decode_kernel import KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
 
 TILE_TOKENS = 128  # 32 and 64 measured slower at 512-2,048 tokens (256 not tried in this form)
+KERNEL_ROW_TOKENS = 8  # chunks this short go through the decode kernel, a row per token
 
 
 @functools.cache
@@ -71,21 +73,36 @@ def tiled_prefill_attention(
 @dataclass
 class TiledPrefillBatch:
     """Prefill chunks of one or more sequences packed along the token axis; each attends alone over
-    its whole context, read in place when it is one run of slots, else gathered."""
+    its whole context, read in place when it is one run of slots, else gathered. With the decode
+    kernel, the tokens of short chunks (`KERNEL_ROW_TOKENS` or fewer, such as a streamed agent's
+    increments) go through it instead, one query row per token over the context before it: one
+    call per layer for all of them, where tiles cost a dozen torch calls per chunk."""
 
     write_slots: torch.Tensor  # [T]: each new token's slot, sequence by sequence
     contexts: list[torch.Tensor]  # [start_i + S_i] slots of sequence i's context, its new tokens last
     starts: list[int]  # position of sequence i's first new token
     offsets: list[int]  # [len(contexts) + 1]: sequence i's new tokens are rows [offsets[i], offsets[i + 1])
     read_starts: list[int | None]  # first slot of context i when it is one run, else None
+    tiled: list[int]  # the sequences attended in tiles
+    row_tokens: torch.Tensor | None = None  # [N] token rows that go through the kernel
+    rows: KernelReads | None = None  # their contexts
 
     @classmethod
-    def build(cls, contexts: list[torch.Tensor], starts: list[int]) -> "TiledPrefillBatch":
-        offsets = [0]
-        for context, start in zip(contexts, starts):
-            offsets.append(offsets[-1] + context.numel() - start)
+    def build(cls, contexts: list[torch.Tensor], starts: list[int], kernel_rows: bool = False) -> "TiledPrefillBatch":
+        offsets, tiled, row_tokens, row_contexts = [0], [], [], []
+        for i, (context, start) in enumerate(zip(contexts, starts)):
+            new = context.numel() - start
+            offsets.append(offsets[-1] + new)
+            if kernel_rows and new <= KERNEL_ROW_TOKENS:
+                row_tokens.extend(range(offsets[i], offsets[i + 1]))
+                row_contexts.extend(context[: start + t + 1] for t in range(new))  # causal: up to itself
+            else:
+                tiled.append(i)
         write = torch.cat([context[start:] for context, start in zip(contexts, starts)])
-        return cls(write, contexts, starts, offsets, [run_start(c) for c in contexts])
+        batch = cls(write, contexts, starts, offsets, [run_start(c) for c in contexts], tiled)
+        if row_tokens:
+            batch.row_tokens, batch.rows = torch.tensor(row_tokens), KernelReads.of(row_contexts)
+        return batch
 
 
 def tiled_attention(
@@ -99,7 +116,8 @@ def tiled_attention(
     cache.write(layer, batch.write_slots, k, v)
     k_cache, v_cache = cache.layer(layer)  # [slots, Hkv, D]
     outs = []
-    for i, (context, start, first) in enumerate(zip(batch.contexts, batch.starts, batch.read_starts)):
+    for i in batch.tiled:
+        context, start, first = batch.contexts[i], batch.starts[i], batch.read_starts[i]
         a, b = batch.offsets[i], batch.offsets[i + 1]
         if start == 0:  # a fresh prompt: its keys are the new tokens themselves
             kc, vc = k[a:b], v[a:b]
@@ -108,4 +126,10 @@ def tiled_attention(
         else:
             kc, vc = k_cache.index_select(0, context), v_cache.index_select(0, context)  # [ctx, Hkv, D]
         outs.append(tiled_prefill_attention(q[a:b], kc, vc, start))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    if batch.rows is None:
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)  # [T, H * D]
+    out[batch.row_tokens] = kernel_attention(q[batch.row_tokens], k_cache, v_cache, batch.rows)
+    for i, part in zip(batch.tiled, outs):
+        out[batch.offsets[i]:batch.offsets[i + 1]] = part
+    return out
