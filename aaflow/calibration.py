@@ -136,7 +136,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     from cluster.calibration import FULL_DECODE, FULL_PREFILL, QUICK_DECODE, QUICK_PREFILL
     from cluster.replica_calls import call
     from cluster.transports import available_transports
-    from costmodel.calibration import compute_profile_from_samples, fit_quality
+    from costmodel.calibration import compute_profile_from_samples, fit_quality, with_member_cost
 
     name = name or default_profile_name()
     compute = dict(base.compute) if base else {}
@@ -150,7 +150,8 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         prefill = call(replica, "calibrate_prefill", QUICK_PREFILL if quick else FULL_PREFILL, 1 if quick else 3)
         say(progress, f"calibrating {key} on {replica.name}: decode ...")
         decode = call(replica, "calibrate_decode", QUICK_DECODE if quick else FULL_DECODE)
-        compute[key] = compute_profile_from_samples(prefill, decode)
+        say(progress, f"calibrating {key} on {replica.name}: packed prefill ...")
+        compute[key] = with_member_cost(compute_profile_from_samples(prefill, decode), call(replica, "calibrate_packing"))
         quality = fit_quality(compute[key], prefill, decode)
         report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, median fit error {quality:.1%}")
         say(progress, f"  {report[-1]}")

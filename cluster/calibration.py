@@ -15,6 +15,7 @@ QUICK_PREFILL = ((32, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (32, 1024), 
 QUICK_DECODE = ((1, 64), (4, 64), (8, 64), (1, 1024), (4, 1024))
 FULL_PREFILL = QUICK_PREFILL + ((16, 0), (64, 0), (4096, 0), (512, 2048), (16, 4096), (256, 4096))
 FULL_DECODE = QUICK_DECODE + ((16, 64), (16, 1024), (1, 4096), (8, 2048))
+PACK_MEMBERS, PACK_TOKENS, PACK_CONTEXT = 16, 4, 512  # a pack of streamed increments
 
 
 class Calibration:
@@ -81,6 +82,31 @@ class Calibration:
                     self.engine.free(seq)
         self.replica.clear_prefix_cache()
         return samples
+
+    def calibrate_packing(self, members: int = PACK_MEMBERS, tokens: int = PACK_TOKENS, context: int = PACK_CONTEXT,
+                          repeats: int = 3) -> list[tuple[int, int, int, float]]:
+        """(members, new tokens each, context tokens each, seconds) of one packed prefill of 1 and of
+        `members` sequences, median of repeats: what each extra member of a pack costs beyond its tokens."""
+        if not self._fits(context + tokens * (repeats + 1), members):
+            return []
+        seqs = [self.engine.new_sequence() for _ in range(members)]
+        try:
+            for j, seq in enumerate(seqs):
+                self.engine.prefill(seq, self._random_ids(context, 5000 + j), reuse_prefix=False)
+            samples = []
+            for n in (1, members):
+                times = []
+                for r in range(repeats):
+                    chunks = [self._random_ids(tokens, 7000 + 100 * r + j) for j in range(n)]
+                    t0 = time.perf_counter()
+                    self.engine.prefill_packed(seqs[:n], chunks)
+                    times.append(time.perf_counter() - t0)
+                samples.append((n, tokens, context, statistics.median(times)))
+            return samples
+        finally:
+            for seq in seqs:
+                self.engine.free(seq)
+            self.replica.clear_prefix_cache()
 
     def calibrate_receive(self, handle, shape, record, transport: str) -> tuple[int, float]:
         """Time a whole `receive` (fetch + import into the pool) and drop what arrived: (bytes, seconds)."""

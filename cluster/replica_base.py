@@ -91,6 +91,10 @@ class ReplicaBase(Replica):
 
         return self.calibration.calibrate_decode(QUICK_DECODE if points is None else points, steps)
 
+    def calibrate_packing(self) -> list[tuple[int, int, int, float]]:
+        """(members, new tokens each, context tokens each, seconds) of packed prefills of 1 and many sequences."""
+        return self.calibration.calibrate_packing()
+
     def calibrate_receive(self, handle, shape, record, transport: str) -> tuple[int, float]:
         """Time a whole `receive` of a peer's exposed KV and drop what arrived: (bytes, seconds)."""
         return self.calibration.calibrate_receive(handle, shape, record, transport)

@@ -40,6 +40,10 @@ class VLLMCalibration(Calibration):
         self._one_token(rid + "/context", prefix, use_cache=True)  # leaves the context's blocks cached
         return self._one_token(rid, prefix + self._random_ids(new, seed), use_cache=True)
 
+    def calibrate_packing(self, *args, **kwargs) -> list[tuple[int, int, int, float]]:
+        """No samples: vLLM batches requests in its own scheduler, where a pack's members cost no extra call."""
+        return []
+
     def calibrate_decode(self, points=QUICK_DECODE, steps: int = 12) -> list[tuple[int, int, float]]:
         """Seconds per `next_tokens` over `batch` running requests of `context` prompt tokens each."""
         samples = []

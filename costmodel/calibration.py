@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from dataclasses import replace
 
 import numpy as np
 
@@ -79,6 +80,20 @@ def compute_profile_from_samples(prefill_samples: list[tuple[int, int, float]],
                                  decode_samples: list[tuple[int, int, float]]) -> ComputeProfile:
     """A ComputeProfile fitted to prefill samples (new, context, s) and decode samples (batch, context, s)."""
     return ComputeProfile(*fit_prefill(prefill_samples), *fit_decode(decode_samples))
+
+
+def with_member_cost(profile: ComputeProfile, pack_samples: list[tuple[int, int, int, float]]) -> ComputeProfile:
+    """`profile` with `prefill_s_per_member` fitted to packed prefills (members, tokens, context, s):
+    what a pack of n members measured beyond n prefills of their tokens that share one fixed term."""
+    single = {(t, c): s for n, t, c, s in pack_samples if n == 1}
+    costs = []
+    for n, tokens, context, seconds in pack_samples:
+        if n > 1 and (tokens, context) in single:
+            predicted = n * profile.prefill_time(tokens, context) - (n - 1) * profile.prefill_fixed_s
+            costs.append((seconds - predicted) / (n - 1))
+    if not costs:
+        return profile
+    return replace(profile, prefill_s_per_member=max(0.0, statistics.median(costs)))
 
 
 def fit_quality(profile: ComputeProfile, prefill_samples: list[tuple[int, int, float]] = (),

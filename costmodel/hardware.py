@@ -40,6 +40,7 @@ class ComputeProfile:
     decode_fixed_s: float  # per batched decode step
     decode_s_per_seq: float  # per sequence in the batch
     decode_s_per_seq_ctx: float  # per sequence per context token
+    prefill_s_per_member: float = 0.0  # per extra sequence packed into one prefill pass (its own attention calls)
 
     def __post_init__(self) -> None:
         _check_non_negative("ComputeProfile", self)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from aaflow.errors import CostModelError
-from costmodel.calibration import compute_profile_from_samples, fit_decode, fit_link, fit_prefill, fit_quality
+from costmodel.calibration import (compute_profile_from_samples, fit_decode, fit_link, fit_prefill, fit_quality,
+                                  with_member_cost)
 from costmodel.edge import EdgeCase, predict_edge
 from costmodel.hardware import (ComputeProfile, HardwareProfile, LinkProfile, available_hardware, hardware_dir,
                                 load_hardware)
@@ -252,6 +253,38 @@ def test_fits_stay_non_negative_and_need_samples():
     assert fixed >= 0 and per_ctx >= 0 and per_token == pytest.approx(1e-3, rel=1e-6)
     with pytest.raises(CostModelError, match="at least 3"):
         fit_decode([(1, 0, 1e-3)])
+
+
+
+def test_member_cost_is_what_a_pack_measures_beyond_its_members_tokens():
+    from dataclasses import replace
+
+    def pack_seconds(truth, n, tokens=4, context=512):  # n prefills sharing one fixed term, plus n - 1 members
+        return n * truth.prefill_time(tokens, context) - (n - 1) * truth.prefill_fixed_s + (n - 1) * truth.prefill_s_per_member
+
+    truth = replace(REALISTIC, prefill_s_per_member=2.5e-3)
+    samples = [(n, 4, 512, pack_seconds(truth, n)) for n in (1, 16)]
+    assert with_member_cost(REALISTIC, samples).prefill_s_per_member == pytest.approx(2.5e-3)
+    faster = [(n, 4, 512, 0.5 * pack_seconds(REALISTIC, n)) for n in (1, 16)]  # packs beat the model: no negative cost
+    assert with_member_cost(REALISTIC, faster).prefill_s_per_member == 0.0
+    assert with_member_cost(REALISTIC, []) == REALISTIC  # vLLM replicas give no samples
+
+
+def test_simulated_pack_charges_each_extra_member():
+    from dataclasses import replace
+
+    from aaflow.runtime.calls import PrefillRequest
+    from aaflow.runtime.sim_replica import SimReplica
+
+    def pack_time(compute, n):
+        sim = SimReplica("r", compute, 1000, 16, overhead_s=1e-3)
+        for i in range(n):
+            sim.session_open(f"s{i}", None)[2]()
+        return sim.prefill_many([PrefillRequest(f"s{i}", [10 * i + j for j in range(4)]) for i in range(n)], lambda: 0)[0]
+
+    costly = replace(REALISTIC, prefill_s_per_member=3e-3)
+    assert pack_time(costly, 1) == pytest.approx(pack_time(REALISTIC, 1))
+    assert pack_time(costly, 10) - pack_time(REALISTIC, 10) == pytest.approx(9 * 3e-3)
 
 
 # --- hardware profiles -------------------------------------------------------------------

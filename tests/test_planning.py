@@ -36,6 +36,7 @@ def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):
     assert compute.decode_step_time(8) >= compute.decode_step_time(1) > 0
     assert profile.links["ray"].bandwidth_bytes_per_s > 1e6 and profile.call_overhead_s > 0
     assert profile.concurrency_slowdown >= 1.0
+    assert compute.prefill_s_per_member >= 0.0  # fitted from packed prefills
     assert HardwareProfile.load(out) == profile
 
 

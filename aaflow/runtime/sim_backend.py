@@ -85,8 +85,8 @@ class SimBackend(Backend):
         if kind is CallKind.MIXED:
             step_s, tokens, stepped = sim.step(args[0], self._token_ids.__next__)
             pack_s, answers, filled = sim.prefill_many(call.requests, self._token_ids.__next__)
-            # one forward pass: one call overhead, one fixed prefill term
-            seconds = step_s + pack_s - sim.overhead - sim.compute.prefill_fixed_s
+            # one forward pass: one call overhead, one fixed prefill term; the pack joins the step as one more member
+            seconds = step_s + pack_s - sim.overhead - sim.compute.prefill_fixed_s + sim.compute.prefill_s_per_member
             return seconds, (tokens, answers), lambda: (stepped(), filled())
         if kind is CallKind.COMPOSE:
             return sim.compose(*args, f"{sim.name}/ref{next(self._ref_ids)}")

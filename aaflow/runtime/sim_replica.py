@@ -179,7 +179,8 @@ class SimReplica:
         outcomes = [self._prefill(r.sid, r.token_ids, r.reuse_prefix, self.calls) for r in requests]
         passes = 2 if any(fresh_hit for *_, fresh_hit in outcomes) else 1
         n = len(requests)
-        seconds = sum(o[0] for o in outcomes) - (n - 1) * self.overhead - (n - passes) * self.compute.prefill_fixed_s
+        seconds = (sum(o[0] for o in outcomes) - (n - 1) * self.overhead - (n - passes) * self.compute.prefill_fixed_s
+                   + (n - 1) * self.compute.prefill_s_per_member)
         answers = []
         for r, (_, hit, _, _) in zip(requests, outcomes):
             answer = {"computed": len(r.token_ids) - hit, "reused": hit}
