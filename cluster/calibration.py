@@ -15,7 +15,7 @@ QUICK_PREFILL = ((32, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (32, 1024), 
 QUICK_DECODE = ((1, 64), (4, 64), (8, 64), (1, 1024), (4, 1024))
 FULL_PREFILL = QUICK_PREFILL + ((16, 0), (64, 0), (4096, 0), (512, 2048), (16, 4096), (256, 4096))
 FULL_DECODE = QUICK_DECODE + ((16, 64), (16, 1024), (1, 4096), (8, 2048))
-PACK_MEMBERS, PACK_TOKENS, PACK_CONTEXT = 16, 4, 512  # a pack of streamed increments
+PACK_MEMBERS, PACK_TOKENS, PACK_CONTEXT = 8, 4, 256  # a pack of streamed increments (short: first-use calibration pays it)
 
 
 class Calibration:

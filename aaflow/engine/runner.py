@@ -11,8 +11,8 @@ import torch
 
 from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
-from aaflow.engine.decode_kernel import KernelDecodeBatch, supports as decode_kernel_supports
 from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefix_blocks
+from aaflow.engine.decode_kernel import KernelDecodeBatch, supports as decode_kernel_supports
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
