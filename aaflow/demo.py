@@ -50,10 +50,6 @@ def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "
     print(f"starting a local Ray cluster with {replicas} replica(s) of {', '.join(sorted(models))} ({dtype}) ...",
           flush=True)
     t0 = time.perf_counter()
-    if dtype == "bfloat16":  # build the decode kernel here, where its progress line shows; replicas load the build
-        from aaflow.engine import decode_kernel
-
-        decode_kernel.load()
     options = {"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {}
     cluster = af.init(replicas={m: replicas for m in models}, dtype=dtype, deterministic=deterministic, **options)
     print(f"cluster ready in {time.perf_counter() - t0:.1f} s: {[r.name for r in cluster.replicas()]}\n", flush=True)

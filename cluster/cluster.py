@@ -86,6 +86,10 @@ class Cluster:
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
         kinds = engine_per_model(replicas, engine, engines)  # before Ray starts: vLLM missing fails here
         dtypes = {"builtin": resolve_dtype(dtype), "vllm": "bfloat16" if dtype == "auto" else dtype}
+        if address is None and dtypes["builtin"] == "bfloat16" and "builtin" in kinds.values():
+            from aaflow.engine import decode_kernel  # built here, where its progress line shows; replicas load it
+
+            decode_kernel.load()
         self._pg, self._attached, self.restarts = None, False, restarts
         self._owns_ray = not ray.is_initialized() and address is None
         start_ray(address=address, num_cpus=num_cpus, actor_env=actor_env)

@@ -85,10 +85,10 @@ def compute_profile_from_samples(prefill_samples: list[tuple[int, int, float]],
 def with_member_cost(profile: ComputeProfile, pack_samples: list[tuple[int, int, int, float]]) -> ComputeProfile:
     """`profile` with `prefill_s_per_member` fitted to packed prefills (members, tokens, context, s):
     what a pack of n members measured beyond n prefills of their tokens that share one fixed term."""
-    single = {(t, c): s for n, t, c, s in pack_samples if n == 1}
+    measured_alone = {(t, c) for n, t, c, _ in pack_samples if n == 1}  # a pack is fitted only beside its single
     costs = []
     for n, tokens, context, seconds in pack_samples:
-        if n > 1 and (tokens, context) in single:
+        if n > 1 and (tokens, context) in measured_alone:
             predicted = n * profile.prefill_time(tokens, context) - (n - 1) * profile.prefill_fixed_s
             costs.append((seconds - predicted) / (n - 1))
     if not costs:
