@@ -130,6 +130,13 @@ class Replica(ABC):
     def session_step(self, sids: list[str]) -> list[int]:
         """One new token per decoding session."""
 
+    def session_steps(self, sids: list[str], steps: int, stops: list) -> tuple[list[list[int]], list[float]]:
+        """Up to `steps` decode steps in one call (`cluster.multi_step.run_steps`; `stops`: a
+        `StepStop` per session): each session's new tokens and each step's end in seconds."""
+        from cluster.multi_step import StepStop, run_steps
+
+        return run_steps(self.session_step, sids, steps, [StepStop(*s) for s in stops])
+
     @abstractmethod
     def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
         """`session_step(sids)` and `session_prefill_many(requests)` in one call."""

@@ -98,3 +98,21 @@ def test_smollm2_review_workflow_identical_across_strategies_in_fp32(smollm2_dir
         assert shared["meta"].streamed_tokens > 0 and shared.metrics["bytes_moved"] > 0
     finally:
         cluster.shutdown()
+
+
+def test_a_step_failing_inside_a_group_of_steps_still_delivers_the_steps_before_it(fresh_cluster):
+    """A lone agent decodes in groups of steps; its third step fails: the agent fails, and the two
+    tokens stepped before the failure reach the run, as with one step per call."""
+    import ray
+
+    cluster, model = fresh_cluster
+    wf = af.Workflow("lone")
+    wf.agent("solo", model, ["Count to ten:"], max_tokens=8, ignore_eos=True)
+    for r in cluster.replicas():
+        ray.get(r.actor.inject_fault.remote("error", 3))
+    seen = []
+    with pytest.raises(af.AgentFailedError, match="injected agent failure"):
+        af.run(wf, cluster, strategy="text", call_timeout_s=30, on_token=lambda name, token: seen.append(token))
+    assert len(seen) == 1 + 2  # the prompt's token, then two steps
+    for r in cluster.replicas():
+        assert ray.get(r.actor.session_count.remote()) == 0

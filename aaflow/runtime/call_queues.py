@@ -2,7 +2,8 @@
 
 A replica with decoding sessions alternates batched decode steps with its queued calls; queued
 prompt segments of several agents go as one packed call (`packing`), and with the decode step in
-one forward pass when the replica also decodes (a mixed step). A long prefill sent while other
+one forward pass when the replica also decodes (a mixed step). With nothing queued, a replica may
+run several decode steps in one call (`step_groups`). A long prefill sent while other
 built-in replicas of its node idle runs on their threads too (`core_lending`).
 """
 
@@ -15,6 +16,7 @@ from aaflow.runtime.backend import Backend, Ticket
 from aaflow.runtime.calls import Call, CallKind
 from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
 from aaflow.runtime.packing import Queued, pack_prefills
+from aaflow.runtime.step_groups import steps_per_call, stops
 
 if TYPE_CHECKING:
     from aaflow.runtime.scheduler import Scheduler
@@ -48,11 +50,19 @@ class CallQueues:
                 call = Call(CallKind.MIXED, ([a.sid for a in decoding], pack.args[0]))
                 self._start(name, call, lambda out, ds=decoding, a=answer: self._on_mixed(ds, a, out))
             elif decoding and (not queue or not self.last_kind.get(name, CallKind.OPEN).steps):
-                call = Call(CallKind.STEP, ([a.sid for a in decoding],))
-                self._start(name, call, lambda tokens, ds=decoding: self.scheduler.on_step(ds, tokens))
+                self._step(name, decoding, 1 if queue else steps_per_call(decoding, self.scheduler.streaming_readers))
             elif queue:
                 call, then = self._pack(name) if queue[0][0].kind is CallKind.PREFILL else queue.popleft()
                 self._start(name, self._lend(name, call), then)
+
+    def _step(self, name: str, decoding: list, steps: int) -> None:
+        """One decode step of `decoding`, or a group of `steps` in one call."""
+        sids = [a.sid for a in decoding]
+        if steps == 1:
+            self._start(name, Call(CallKind.STEP, (sids,)), lambda tokens: self.scheduler.on_step(decoding, tokens))
+        else:
+            call = Call(CallKind.STEPS, (sids, steps, stops(decoding, self.scheduler.eos)))
+            self._start(name, call, lambda out: self.scheduler.on_steps(decoding, *out))
 
     def _start(self, name: str, call: Call, then: Callable | None) -> None:
         ticket = self.backend.submit(name, call)

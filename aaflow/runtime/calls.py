@@ -21,6 +21,7 @@ class CallKind(Enum):
     PREFILL = "session_prefill"  # (sid, token_ids, sampling, reuse_prefix)
     PACK = "session_prefill_many"  # (requests,): several sessions' prompt segments in one pass
     STEP = "session_step"  # (sids,): one batched decode step
+    STEPS = "session_steps"  # (sids, steps, stops): up to `steps` decode steps in one call (cluster.multi_step)
     MIXED = "session_step_mixed"  # (sids, requests): a decode step and prompt segments in one pass
     EXPOSE = "expose"  # (ref id, transport): make a ref's blocks readable by another replica
     RECEIVE = "receive"  # (handle, shape, record, transport): fetch exposed blocks as a new ref
@@ -33,7 +34,7 @@ class CallKind(Enum):
         # prefills: prefill calls, which a long prompt may speed up with lent threads
         self.prefills = method in ("materialize", "session_prefill", "session_prefill_many")
         # steps: calls that advance every decoding session of the replica by one token
-        self.steps = method in ("session_step", "session_step_mixed")
+        self.steps = method in ("session_step", "session_steps", "session_step_mixed")
         # computes: calls that run the model (they compete for the machine's cores)
         self.computes = self.prefills or self.steps or method == "compose"
         # transfers: calls of a prefix transfer between replicas

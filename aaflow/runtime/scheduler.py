@@ -201,8 +201,19 @@ class Scheduler:
             if agent.state == "decoding":
                 self.token(agent, token)
 
-    def token(self, agent: AgentState, token: int) -> None:
-        t = self.backend.now()
+    def on_steps(self, decoding: list[AgentState], tokens: list[list[int]], ends: list[float]) -> None:
+        """A group of steps: each agent's tokens, and each step's end (seconds into the call),
+        which dates the tokens back from now."""
+        now = self.backend.now()
+        for i, end in enumerate(ends):
+            t = now - (ends[-1] - end)
+            for agent, row in zip(decoding, tokens):
+                if i < len(row) and agent.state == "decoding":
+                    self.token(agent, row[i], t)
+
+    def token(self, agent: AgentState, token: int, t: float | None = None) -> None:
+        """`agent` decoded `token` (at `t`, default now)."""
+        t = self.backend.now() if t is None else t
         r = agent.result
         if r.first_token_s is None:
             r.first_token_s = t
@@ -267,7 +278,11 @@ class Scheduler:
             except ReplicaLostError:
                 self.recovery.replica_died(ticket.replica)
             except Exception as exc:  # noqa: BLE001 - named below
-                self.recovery.call_failed(ticket, getattr(exc, "cause", None) or exc)
+                cause = getattr(exc, "cause", None) or exc
+                partial = getattr(cause, "partial_steps", None)
+                if partial is not None:  # a group of steps failed after some ran: take their tokens first
+                    then(partial)
+                self.recovery.call_failed(ticket, cause)
             else:
                 then(value)
 

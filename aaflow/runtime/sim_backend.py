@@ -82,6 +82,8 @@ class SimBackend(Backend):
             return seconds, answers[0] if kind is CallKind.PREFILL else answers, apply
         if kind is CallKind.STEP:
             return sim.step(args[0], self._token_ids.__next__)
+        if kind is CallKind.STEPS:
+            return sim.steps(args[0], args[1], args[2], self._token_ids.__next__)
         if kind is CallKind.MIXED:
             step_s, tokens, stepped = sim.step(args[0], self._token_ids.__next__)
             pack_s, answers, filled = sim.prefill_many(call.requests, self._token_ids.__next__)

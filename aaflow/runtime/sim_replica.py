@@ -11,6 +11,7 @@ mean context)`; exposing a prefix `link.source_copy_time` on the source, receivi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -212,6 +213,23 @@ class SimReplica:
             self.ledger.own += len(sids)
 
         return seconds, [next_token() for _ in sids], apply
+
+    def steps(self, sids: list[str], steps: int, stops: list[tuple], next_token: Callable[[], int]) -> Outcome:
+        """A group of decode steps (`cluster.multi_step.run_steps`): one call overhead; simulated
+        tokens are never end-of-sequence, so it ends at its step count or the first budget."""
+        sessions = [self.sessions[s] for s in sids]
+        count = max(1, min([steps] + [budget for budget, _ in stops]))
+        context = sum([s.tokens for s in sessions]) / max(1, len(sids))
+        seconds = [self.compute.decode_step_time(len(sids), context + i) for i in range(count)]
+        ends = list(itertools.accumulate(seconds))
+
+        def apply() -> None:
+            for s in sessions:
+                s.tokens += count
+            self.ledger.own += len(sids) * count
+
+        tokens = [[next_token() for _ in range(count)] for _ in sids]
+        return self.overhead + ends[-1], (tokens, ends), apply
 
     def expose(self, ref_id: str, link, memcpy_bytes_per_s: float) -> Outcome:
         """The handle is the ref's token ids (the receiver caches them)."""

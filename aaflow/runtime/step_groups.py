@@ -1,0 +1,35 @@
+"""How many decode steps one replica call runs (`CallKind.STEPS`, `cluster.multi_step`).
+
+One step per call pays a round trip per step (about 6 ms against a 20 ms step of a lone SmolLM2
+sequence on two cores); several steps per call hold back whatever reaches the replica meanwhile (a
+prompt segment queued behind them waits for the group to end). So a group is sent only when the
+replica's queue is empty and no decoding agent feeds a streaming reader (those want each chunk as
+soon as it is decoded); it decodes at most `GROUP_TOKENS` tokens in all (a small batch, whose steps
+are short and whose round trips weigh most, gets the longest groups; a batch of `GROUP_TOKENS` or
+more steps once per call) and never runs past the first agent's budget (its end frees its readers
+at once). The count depends on the schedule's state only, not on measured times, so a run and its
+simulation issue the same calls.
+"""
+
+from __future__ import annotations
+
+GROUP_TOKENS = 8  # tokens a group of steps decodes at most, over all its sessions
+
+
+def steps_per_call(decoding: list, streaming_readers: dict) -> int:
+    """Decode steps the next call of a replica may run for `decoding`, its decoding agents (none
+    with a prompt segment queued)."""
+    if len(decoding) >= GROUP_TOKENS:
+        return 1
+    for agent in decoding:
+        if any(reader.state != "done" for reader in streaming_readers[agent.name]):
+            return 1
+    budget = min(agent.max_tokens - agent.result.decoded for agent in decoding)
+    return max(1, min(budget, GROUP_TOKENS // len(decoding)))
+
+
+def stops(decoding: list, eos: dict) -> list[tuple[int, frozenset]]:
+    """Each decoding agent's `cluster.multi_step.StepStop` as a plain tuple: tokens left in its
+    budget, and its model's end-of-sequence ids unless it ignores them."""
+    return [(agent.max_tokens - agent.result.decoded,
+             frozenset() if agent.ignore_eos else frozenset(eos[agent.model])) for agent in decoding]
