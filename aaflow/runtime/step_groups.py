@@ -3,13 +3,12 @@
 One step per call pays a round trip and the scheduler's work per step (a lone SmolLM2 sequence on
 two cores: 28 ms a token in a workflow against 20 ms a step in the engine; a 4-agent chain took
 5.76 s with single steps, 5.07 s in groups, medians of 4); several steps per call hold back
-whatever reaches the replica meanwhile (a
-prompt segment queued behind them waits for the group to end). So a group is sent only when the
-replica's queue is empty and no decoding agent feeds a streaming reader (those want each chunk as
-soon as it is decoded); it decodes at most `GROUP_TOKENS` tokens in all (a small batch, whose steps
-are short and whose round trips weigh most, gets the longest groups; a batch of `GROUP_TOKENS` or
-more steps once per call) and never runs past the first agent's budget (its end frees its readers
-at once). The count depends on the schedule's state only, not on measured times, so a run and its
+whatever reaches the replica meanwhile (a prompt segment queued behind them waits for the group to
+end). So a group is sent only when the replica's queue is empty and no decoding agent feeds a
+streaming reader (those want each chunk as soon as it is decoded); it decodes at most
+`GROUP_TOKENS` tokens in all (a small batch, whose steps are short and whose round trips weigh
+most, gets the longest groups; a batch of `GROUP_TOKENS` or more steps once per call) and never
+runs past the first agent's budget (its end frees its readers at once). The count depends on the schedule's state only, not on measured times, so a run and its
 simulation issue the same calls.
 """
 
