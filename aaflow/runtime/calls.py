@@ -39,6 +39,8 @@ class CallKind(Enum):
         self.computes = self.prefills or self.steps or method == "compose"
         # transfers: calls of a prefix transfer between replicas
         self.transfers = method in ("expose", "receive", "release")
+        # bookkeeping: calls that only open, close or free (about a millisecond, no model pass)
+        self.bookkeeping = method in ("session_open", "session_close", "free")
 
 
 class PrefillRequest(NamedTuple):

@@ -132,6 +132,8 @@ class Recovery:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
         s = self.scheduler
         call = ticket.call
+        if call.kind is CallKind.MIXED:  # its decode step did not run either: the next call steps alone
+            s.queues.step_first.add(ticket.replica)
         on_replica = {a.sid: a for a in s.agents.values() if a.replica == ticket.replica and a.state != "done"}
         if call.kind.steps and not call.requests:
             decoding = [on_replica[sid] for sid in call.sessions if sid in on_replica]

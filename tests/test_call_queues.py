@@ -1,0 +1,79 @@
+"""The per-replica call queues: bookkeeping calls (opens, closes) never take a decode step's turn,
+so prompt segments queued behind a burst of them reach the replica at the next step; a refused
+mixed step is followed by a step of its decoding agents alone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
+from aaflow.runtime.call_queues import CallQueues
+from aaflow.runtime.calls import CallKind
+from aaflow.runtime.results import AgentResult
+
+
+class Launches(Backend):
+    """A backend that only writes down the kind of each call it is given."""
+
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def replicas(self):
+        return [ReplicaInfo("r0", "m")]
+
+    def now(self) -> float:
+        return 0.0
+
+    def submit(self, replica, call):
+        self.kinds.append(call.kind.name)
+        return Ticket(len(self.kinds), replica, call)
+
+    def wait(self, tickets, num_returns, timeout_s):
+        return tickets[:num_returns]
+
+    def result(self, ticket):
+        return None
+
+
+def _decoding(name: str) -> AgentState:
+    agent = AgentState(name, "m", "text", [], [], 32, result=AgentResult(name))
+    agent.state, agent.sid = "decoding", name
+    return agent
+
+
+def _run(queues: CallQueues, rounds: int) -> None:
+    """Launch, then end the call in flight, `rounds` times (callbacks are not run)."""
+    for _ in range(rounds):
+        queues.launch()
+        for ticket in list(queues.inflight):
+            queues.finish(ticket)
+
+
+def test_opens_and_closes_go_between_two_steps_and_the_prompt_behind_them_mixes_in():
+    backend = Launches()
+    agents = [_decoding(f"a{i}") for i in range(8)]  # a batch of 8: one step per call
+    scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
+                                streaming_readers={a.name: [] for a in agents})
+    queues = CallQueues(scheduler, backend, lend_cores=False)
+    queues.last_kind["r0"] = CallKind.STEP  # the replica has just stepped
+    for sid in ("x", "y", "z"):
+        queues.call("r0", CallKind.CLOSE, f"old-{sid}")
+        queues.call("r0", CallKind.OPEN, sid, None)
+    queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
+    _run(queues, 8)
+    assert backend.kinds == ["CLOSE", "OPEN"] * 3 + ["MIXED", "STEP"]
+
+
+def test_after_a_refused_mixed_step_the_decoding_agents_step_alone_once():
+    """A mixed step refused for KV did not step its decoding agents either: the next call is their
+    step, so a prompt that keeps being refused (and retried) never starves them."""
+    backend = Launches()
+    agents = [_decoding(f"a{i}") for i in range(8)]
+    scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
+                                streaming_readers={a.name: [] for a in agents})
+    queues = CallQueues(scheduler, backend, lend_cores=False)
+    queues.step_first.add("r0")  # what `Recovery.kv_short` does after a refused MIXED call
+    queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
+    _run(queues, 2)
+    assert backend.kinds == ["STEP", "MIXED"]
