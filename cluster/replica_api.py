@@ -14,6 +14,8 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+from cluster.multi_step import StepStop, run_steps
+
 REPLICAS = {"builtin": "cluster.replica:ModelReplica", "vllm": "cluster.vllm_replica:VLLMReplica"}
 """Engine name -> the class hosting it, imported on first use (an uninstalled vLLM costs nothing)."""
 
@@ -133,8 +135,6 @@ class Replica(ABC):
     def session_steps(self, sids: list[str], steps: int, stops: list) -> tuple[list[list[int]], list[float]]:
         """Up to `steps` decode steps in one call (`cluster.multi_step.run_steps`; `stops`: a
         `StepStop` per session): each session's new tokens and each step's end in seconds."""
-        from cluster.multi_step import StepStop, run_steps
-
         return run_steps(self.session_step, sids, steps, [StepStop(*s) for s in stops])
 
     @abstractmethod
