@@ -27,8 +27,9 @@ def run_steps(step: Callable[[list[str]], list[int]], sids: Sequence[str], steps
     """Up to `steps` batched decode steps of `sids` through `step` (one token per session per
     call). Returns each session's new tokens, in `sids` order, and the seconds from the call's
     start to each step's end. It ends early after a step in which a session stopped. A step that
-    raises after at least one step ran ends the call with the tokens so far (the scheduler's next
-    call meets the error again and handles it); raised on the first step, the error propagates."""
+    raises ends the call with its error; where earlier steps ran, the error carries their result
+    as `partial_steps` (their KV is written: the scheduler takes their tokens, then handles the
+    error as it would after single steps)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps!r}")
     if len(stops) != len(sids):

@@ -37,7 +37,7 @@ class CallQueues:
         self.inflight: dict[Ticket, Callable] = {}  # ticket -> what to do with its value
         self.running: dict[str, Ticket] = {}  # replica -> its call in flight
         self.last_kind: dict[str, CallKind] = {}
-        self.step_first: set[str] = set()  # replicas whose mixed step was refused: their decoding steps alone next
+        self.step_first: set[str] = set()  # replicas whose mixed step was refused: they step alone next
 
     def call(self, replica: str, kind: CallKind, *args, then: Callable | None = None) -> None:
         """Queue a call on `replica`; `then(value)` runs when it has ended."""
