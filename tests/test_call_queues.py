@@ -42,6 +42,14 @@ def _decoding(name: str) -> AgentState:
     return agent
 
 
+def _queues_with_8_decoding(backend: Launches) -> CallQueues:
+    """Queues on one replica that decodes 8 agents (8 or more: one step per call)."""
+    agents = [_decoding(f"a{i}") for i in range(8)]
+    scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
+                                streaming_readers={a.name: [] for a in agents})
+    return CallQueues(scheduler, backend, lend_cores=False)
+
+
 def _run(queues: CallQueues, rounds: int) -> None:
     """Launch, then end the call in flight, `rounds` times (callbacks are not run)."""
     for _ in range(rounds):
@@ -52,10 +60,7 @@ def _run(queues: CallQueues, rounds: int) -> None:
 
 def test_opens_and_closes_go_between_two_steps_and_the_prompt_behind_them_mixes_in():
     backend = Launches()
-    agents = [_decoding(f"a{i}") for i in range(8)]  # a batch of 8: one step per call
-    scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
-                                streaming_readers={a.name: [] for a in agents})
-    queues = CallQueues(scheduler, backend, lend_cores=False)
+    queues = _queues_with_8_decoding(backend)
     queues.last_kind["r0"] = CallKind.STEP  # the replica has just stepped
     for sid in ("x", "y", "z"):
         queues.call("r0", CallKind.CLOSE, f"old-{sid}")
@@ -69,10 +74,7 @@ def test_after_a_refused_mixed_step_the_decoding_agents_step_alone_once():
     """A mixed step refused for KV did not step its decoding agents either: the next call is their
     step, so a prompt that keeps being refused (and retried) never starves them."""
     backend = Launches()
-    agents = [_decoding(f"a{i}") for i in range(8)]
-    scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
-                                streaming_readers={a.name: [] for a in agents})
-    queues = CallQueues(scheduler, backend, lend_cores=False)
+    queues = _queues_with_8_decoding(backend)
     queues.step_first.add("r0")  # what `Recovery.kv_short` does after a refused MIXED call
     queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
     _run(queues, 2)

@@ -203,21 +203,14 @@ class SimReplica:
         return seconds, answers, apply
 
     def step(self, sids: list[str], next_token: Callable[[], int]) -> Outcome:
-        sessions = [self.sessions[s] for s in sids]  # the same objects at the step's end: one call at a time
-        context = sum([s.tokens for s in sessions]) / max(1, len(sids))
-        seconds = self.overhead + self.compute.decode_step_time(len(sids), context)
-
-        def apply() -> None:
-            for s in sessions:
-                s.tokens += 1
-            self.ledger.own += len(sids)
-
-        return seconds, [next_token() for _ in sids], apply
+        """One decode step: a group of one, with its one token per session."""
+        seconds, (tokens, _), apply = self.steps(sids, 1, [(1, ())] * len(sids), next_token)
+        return seconds, [row[0] for row in tokens], apply
 
     def steps(self, sids: list[str], steps: int, stops: list[tuple], next_token: Callable[[], int]) -> Outcome:
         """A group of decode steps (`cluster.multi_step.run_steps`): one call overhead; simulated
         tokens are never end-of-sequence, so it ends at its step count or the first budget."""
-        sessions = [self.sessions[s] for s in sids]
+        sessions = [self.sessions[s] for s in sids]  # the same objects at the call's end: one call at a time
         count = max(1, min([steps] + [budget for budget, _ in stops]))
         context = sum([s.tokens for s in sessions]) / max(1, len(sids))
         seconds = [self.compute.decode_step_time(len(sids), context + i) for i in range(count)]
