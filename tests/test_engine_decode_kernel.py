@@ -122,6 +122,8 @@ def test_short_prefill_chunks_through_the_kernel_match_their_tiles(make_engine, 
                              num_key_value_heads=2, num_hidden_layers=2)
     engines = [make_engine(folder, num_blocks=64, dtype="bfloat16") for _ in range(2)]
     engines[1].runner.kernel_decode = False
+    for engine in engines:  # tiles, not the flash kernel, on every CPU
+        engine.runner.flash_prefill = False
     chunks = [[7, 8, 9], [11], [20 + i for i in range(40)], [30 + i for i in range(8)]]
     results, routed = [], []
     for engine in engines:

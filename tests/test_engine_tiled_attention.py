@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aaflow.engine.tiled_attention import TILE_TOKENS, tiled_prefill_attention
+from aaflow.engine.tiled_attention import TILE_TOKENS, flash_prefill_attention, prefill_kernel, tiled_prefill_attention
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,6 +35,32 @@ def test_tiles_give_causal_attention_over_the_context(length, start):
     assert bf16.dtype == torch.bfloat16 and rel_err(bf16.float(), ref) <= 3e-2
 
 
+@pytest.mark.parametrize("length,start", [(1, 0), (300, 0), (5, 300), (120, 90), (300, 16), (64, 64)])
+def test_flash_gives_causal_attention_over_the_context(length, start):
+    """The flash route: a fresh prompt (causal), few new tokens over many (masked), and as many new
+    tokens as earlier ones or more (two calls merged by their log-sum-exps)."""
+    torch.manual_seed(length + start)
+    q = torch.randn(length, 6, 16)
+    pool = torch.randn(start + length + 50, 2, 16)
+    k, v = pool[20:20 + start + length], torch.randn(start + length, 2, 16)  # k: strided rows of a pool
+    ref = reference(q, k, v, start)
+    assert rel_err(flash_prefill_attention(q, k, v, start), ref) <= 1e-5
+    bf16 = flash_prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), start)
+    assert bf16.dtype == torch.bfloat16 and rel_err(bf16.float(), ref) <= 3e-2
+
+
+def test_prefill_kernel_choice_follows_the_cpu_and_the_override(monkeypatch):
+    from aaflow.machine import matrix_isa
+
+    monkeypatch.delenv("AAFLOW_PREFILL_ATTENTION", raising=False)
+    assert prefill_kernel() == ("flash" if matrix_isa() == "amx" else "tiles")
+    monkeypatch.setenv("AAFLOW_PREFILL_ATTENTION", "Tiles")
+    assert prefill_kernel() == "tiles"
+    monkeypatch.setenv("AAFLOW_PREFILL_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="AAFLOW_PREFILL_ATTENTION='fast'"):
+        prefill_kernel()
+
+
 def test_keys_may_be_strided_views_of_the_pool():
     torch.manual_seed(1)
     pool = torch.randn(500, 2, 16)
@@ -42,11 +68,14 @@ def test_keys_may_be_strided_views_of_the_pool():
     assert rel_err(tiled_prefill_attention(q, k, v, 120), reference(q, k, v, 120)) <= 1e-5
 
 
-def test_engine_prefill_in_tiles_gives_the_flash_path_logits(make_engine, tiny_llama_dir):
-    """In fp32 with tiles forced on: a fresh prompt, chunks over a context in one run of slots and over
-    scattered blocks, and several sequences packed in one pass, against the flash kernel's paths."""
+@pytest.mark.parametrize("flash", [False, True])
+def test_engine_prefill_in_tiles_gives_the_flash_path_logits(make_engine, tiny_llama_dir, flash):
+    """In fp32 with tiles forced on (each sequence in tiles, or through `flash_prefill_attention`): a
+    fresh prompt, chunks over a context in one run of slots and over scattered blocks, and several
+    sequences packed in one pass, against the flash kernel's paths."""
     engines = [make_engine(tiny_llama_dir, num_blocks=96, dtype="float32") for _ in range(2)]
     engines[0].runner.tiled_prefill, engines[1].runner.tiled_prefill = True, False
+    engines[0].runner.flash_prefill = flash
     results = []
     for engine in engines:
         a, b, c = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()

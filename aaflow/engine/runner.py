@@ -17,7 +17,7 @@ from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
-from aaflow.engine.tiled_attention import TiledPrefillBatch
+from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
@@ -36,6 +36,7 @@ class KVRunner(KVImportExport):
         # bf16 attention as plain products: decode reads runs in place, prefill goes in tiles; fp32
         # keeps the flash kernel (and its results)
         self.run_decode = self.tiled_prefill = model.dtype != torch.float32
+        self.flash_prefill = prefill_kernel() == "flash"  # with AMX the flash kernel beats tiles
         # bf16 decode through the compiled kernel where it builds (it reads every context in place)
         self.kernel_decode = decode_kernel_supports(model.dtype, layout.head_dim)
 
@@ -242,7 +243,7 @@ class KVRunner(KVImportExport):
         if self.model.deterministic:
             batch = FixedBatch(list(zip(contexts, starts)))
         elif self.tiled_prefill:
-            batch = TiledPrefillBatch.build(contexts, starts, kernel_rows=self.kernel_decode)
+            batch = TiledPrefillBatch.build(contexts, starts, kernel_rows=self.kernel_decode, flash=self.flash_prefill)
         else:
             shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
             batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])
