@@ -17,76 +17,23 @@ AAFLOW_DECODE_KERNEL=0, the engine keeps its torch paths."""
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import sys
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from aaflow.engine.attention import pad_slots
 from aaflow.engine.kv_cache import PagedKVCache
+from aaflow.engine.native_build import NativeModule
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 HEAD_DIMS = (64, 128)  # the head dims the kernel is built for
 ENV_SWITCH = "AAFLOW_DECODE_KERNEL"
-
-_lock = threading.Lock()
-_module = None
-_tried = False
-
-
-def _build_name() -> str:
-    """One build per source text and CPU: the code is compiled for the machine it runs on."""
-    cpu = ""
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        pass
-    digest = hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode() + cpu.encode()).hexdigest()[:12]
-    return f"aaflow_decode_attention_{digest}"
-
-
-def _is_built(name: str) -> bool:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: only for the progress line
-
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-    except Exception:
-        return False
+_NATIVE = NativeModule("decode_attention.cpp", "the bf16 decode attention kernel", ENV_SWITCH)
 
 
 def load():
     """The compiled kernel module, building it on first call; None where it cannot be built or is
-    switched off (AAFLOW_DECODE_KERNEL=0). Thread-safe; tries once per process."""
-    global _module, _tried
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return None
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            name = _build_name()
-            if not _is_built(name):
-                print("aaflow: building the bf16 decode attention kernel, once for this machine (about 30 s) ...",
-                      file=sys.stderr, flush=True)
-            _module = load_extension(
-                name, sources=[str(SOURCE)], verbose=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            )
-        except Exception as error:  # no compiler, no headers: the torch paths still work
-            log.warning("aaflow: decode attention kernel unavailable, using torch paths: %s", error)
-            _module = None
-        return _module
+    switched off (AAFLOW_DECODE_KERNEL=0)."""
+    return _NATIVE.load()
 
 
 def supports(dtype: torch.dtype, head_dim: int) -> bool:

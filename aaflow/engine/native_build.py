@@ -1,0 +1,76 @@
+"""C++ kernels under `csrc/`, compiled on first use with the machine's compiler.
+
+Each source is built once per machine (torch's cpp_extension, about 30 s, cached under
+TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions) with `-march=native`, so the code uses the
+vector instructions of the CPU it runs on. Without a compiler, or with its environment switch set
+to 0, `load` answers None and the engine keeps its torch paths."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+class NativeModule:
+    """One C++ source, built and loaded at most once per process (thread-safe)."""
+
+    def __init__(self, source: str, label: str, env_switch: str) -> None:
+        self.source = CSRC / source
+        self.label = label  # for the progress line: "the bf16 decode attention kernel"
+        self.env_switch = env_switch  # set to 0: not built, not loaded
+        self._lock = threading.Lock()
+        self._module = None
+        self._tried = False
+
+    def load(self):
+        """The compiled module, building it on the first call; None where it cannot be built or is
+        switched off."""
+        if os.environ.get(self.env_switch, "1") == "0":
+            return None
+        with self._lock:
+            if self._tried:
+                return self._module
+            self._tried = True
+            try:
+                from torch.utils.cpp_extension import load as load_extension
+
+                name = self._build_name()
+                if not _is_built(name):
+                    print(f"aaflow: building {self.label}, once for this machine (about 30 s) ...",
+                          file=sys.stderr, flush=True)
+                self._module = load_extension(
+                    name, sources=[str(self.source)], verbose=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                )
+            except Exception as error:  # no compiler, no headers: the torch paths still work
+                log.warning("aaflow: %s unavailable, using torch paths: %s", self.label, error)
+                self._module = None
+            return self._module
+
+    def _build_name(self) -> str:
+        """One build per source text and CPU: the code is compiled for the machine it runs on."""
+        cpu = ""
+        try:
+            cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        except OSError:
+            pass
+        digest = hashlib.sha256(self.source.read_bytes() + platform.machine().encode() + cpu.encode()).hexdigest()[:12]
+        return f"aaflow_{self.source.stem}_{digest}"
+
+
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: only for the progress line
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:
+        return False

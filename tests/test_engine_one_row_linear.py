@@ -1,0 +1,54 @@
+"""The one-row linear kernel (csrc/one_row_linear.cpp, aaflow/engine/linear.py): a decode step of one
+sequence gives the product rounded once from fp32 sums, with or without bias, and every other shape
+keeps oneDNN's path."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from aaflow.engine import linear
+from aaflow.engine.linear import Linear, can_prepack, one_row_kernel
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None or not can_prepack(torch.bfloat16)
+    or one_row_kernel() is None, reason="needs a C++ compiler and a CPU with AVX512-BF16")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 sums of the bf16 inputs, plus the bias, rounded once to bf16."""
+    y = x.float() @ w.float().T
+    return (y if bias is None else y + bias.float()).bfloat16()
+
+
+@pytest.mark.parametrize("out_features,in_features,with_bias", [(576, 576, False), (963, 1536, True), (5, 64, False)])
+def test_one_row_gives_the_product_rounded_once(out_features, in_features, with_bias):
+    torch.manual_seed(out_features)
+    w = torch.randn(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16() if with_bias else None
+    layer = Linear(w, bias, prepack=True)
+    assert layer.one_row is not None
+    x = torch.randn(1, in_features).bfloat16()
+    ours, ref = layer(x), reference(x, w, bias)
+    assert ours.shape == (1, out_features) and ours.dtype == torch.bfloat16
+    # fp32 sums in another order than the reference's: at most one bf16 ulp apart
+    ulp = ref.float().abs().clamp_min(1e-3) * 2 ** -7
+    assert bool(((ours.float() - ref.float()).abs() <= ulp).all())
+
+
+def test_rows_beyond_one_and_odd_widths_keep_onednn():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96).bfloat16()
+    layer = Linear(w, None, prepack=True)
+    x = torch.randn(3, 96).bfloat16()
+    assert torch.allclose(layer(x).float(), reference(x, w, None).float(), rtol=2e-2, atol=2e-2)
+    odd = Linear(torch.randn(8, 40).bfloat16(), None, prepack=True)  # 40 is no multiple of 32
+    assert odd.one_row is None and odd(torch.randn(1, 40).bfloat16()).shape == (1, 8)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(linear.ONE_ROW.env_switch, "0")
+    assert one_row_kernel() is None
+    assert Linear(torch.randn(8, 64).bfloat16(), None, prepack=True).one_row is None
