@@ -141,9 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aaflow", description="aaflow: a distributed KV-state workflow runtime")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="a multi-agent review workflow on SmolLM2, two replicas, text vs auto")
+    demo = sub.add_parser("demo", help="a multi-agent review workflow on SmolLM2, text vs auto (and vLLM where set up)")
     demo.add_argument("--workflow", default=None, help="a workflow YAML (default: the shipped review)")
-    demo.add_argument("--replicas", type=int, default=2)
+    demo.add_argument("--replicas", type=int, default=1,
+                      help="SmolLM2 replicas sharing the cores (default 1: one replica on every core measured faster "
+                           "on the workflows of docs/RESULTS.md)")
     demo.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     demo.add_argument("--rounds", type=int, default=2, help="runs of each strategy, alternating (median reported)")
     demo.add_argument("--doc-tokens", type=int, default=2000,
@@ -168,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("workflow")
     run.add_argument("--strategy", default="auto",
                      choices=STRATEGIES)
-    run.add_argument("--replicas", type=_replicas_arg, default=2,
-                     help="replicas per model, or auto: the split of this machine's cores the planner predicts "
-                          "fastest for this workflow (built-in engine)")
+    run.add_argument("--replicas", type=_replicas_arg, default=1,
+                     help="replicas per model (default 1: one replica on every core), or auto: the split of this "
+                          "machine's cores the planner predicts fastest for this workflow (built-in engine)")
     run.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",
                      help="builtin (default) or vllm, for every model or one: --engine smollm2=vllm (repeatable; "

@@ -1,4 +1,4 @@
-"""`aaflow demo`: a real multi-agent workflow on SmolLM2 with two replicas, `text` vs `auto`."""
+"""`aaflow demo`: a real multi-agent workflow on SmolLM2 (one replica on every core by default), `text` vs `auto`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
     return af.workflow.workflow_from_dict(raw)
 
 
-def run_demo(workflow_path: str | None = None, replicas: int = 2, dtype: str = "auto", rounds: int = 2,
+def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "auto", rounds: int = 2,
              doc_tokens: int = 2000, deterministic: bool = False, kv_cache_bytes: str | None = None) -> int:
     """Run the workflow with `text` and with `auto`, alternating, `rounds` times each from cold prefix
     caches; print the answers, both runs' tables and the median speedup. Without `workflow_path`, the
