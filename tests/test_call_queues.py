@@ -67,7 +67,7 @@ def test_opens_and_closes_go_between_two_steps_and_the_prompt_behind_them_mixes_
         queues.call("r0", CallKind.OPEN, sid, None)
     queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
     _run(queues, 8)
-    assert backend.kinds == ["CLOSE", "OPEN"] * 3 + ["MIXED", "STEP"]
+    assert backend.kinds == ["CLOSE", "OPEN"] * 3 + ["MIXED", "STEPS"]  # then, the queue empty, a group
 
 
 def test_after_a_refused_mixed_step_the_decoding_agents_step_alone_once():

@@ -10,7 +10,7 @@ import torch
 from aaflow.engine.sampling import SamplingParams
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.results import AgentResult
-from aaflow.runtime.step_groups import GROUP_TOKENS, steps_per_call, stops
+from aaflow.runtime.step_groups import GROUP_STEPS, GROUP_TOKENS, steps_per_call, stops
 from cluster.multi_step import StepStop, run_steps
 from cluster.replica import ModelReplica
 
@@ -89,8 +89,11 @@ def _agent(name: str, decoded: int = 0, max_tokens: int = 32, ignore_eos: bool =
 
 def test_groups_shrink_with_the_batch_and_stop_at_the_first_budget():
     readers = {f"a{i}": [] for i in range(GROUP_TOKENS)}
-    assert steps_per_call([_agent("a0")], readers) == GROUP_TOKENS
-    assert steps_per_call([_agent("a0"), _agent("a1")], readers) == GROUP_TOKENS // 2
+    assert GROUP_STEPS < GROUP_TOKENS // 2
+    assert steps_per_call([_agent("a0")], readers) == GROUP_STEPS
+    assert steps_per_call([_agent("a0"), _agent("a1")], readers) == GROUP_STEPS
+    assert steps_per_call([_agent(f"a{i}") for i in range(8)], readers) == GROUP_TOKENS // 8
+    assert steps_per_call([_agent(f"a{i}") for i in range(GROUP_TOKENS // 2)], readers) == 2
     assert steps_per_call([_agent(f"a{i}") for i in range(GROUP_TOKENS)], readers) == 1
     assert steps_per_call([_agent("a0", decoded=29), _agent("a1")], readers) == 3  # a0 has 3 tokens left
     assert stops([_agent("a0", decoded=29), _agent("a1", ignore_eos=True)], {"m": {2}}) == \
@@ -102,4 +105,4 @@ def test_an_agent_feeding_a_streaming_reader_steps_one_token_per_call():
     reader.state = "open"
     assert steps_per_call([_agent("a0")], {"a0": [reader]}) == 1
     reader.state = "done"
-    assert steps_per_call([_agent("a0")], {"a0": [reader]}) == GROUP_TOKENS
+    assert steps_per_call([_agent("a0")], {"a0": [reader]}) == GROUP_STEPS
