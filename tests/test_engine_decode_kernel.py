@@ -150,3 +150,42 @@ def test_short_chunks_are_routed_to_the_kernel_and_long_ones_to_tiles():
     assert batch.row_tokens.tolist() == [0, 1, 2] + list(range(3 + KERNEL_ROW_TOKENS + 1, 3 + KERNEL_ROW_TOKENS + 1 + 5))
     assert batch.rows.lengths.tolist() == [11, 12, 13, 1, 2, 3, 4, 5] and len(batch.rows.lengths) == short
     assert TiledPrefillBatch.build(contexts, starts).rows is None
+
+
+def test_a_large_batch_sharing_a_prefix_decodes_in_cascade_as_close_to_fp32_as_the_kernel(make_engine, tmp_path,
+                                                                                          monkeypatch):
+    """Where cascade is chosen for a large batch sharing a prefix (AMX; forced here on every CPU), a
+    step of 12 sequences takes it instead of the kernel, and its logits are as close to fp32's as
+    the kernel's (both round differently: the kernel's scores go to bf16, cascade's stay fp32 in the
+    flash kernel); a batch without a shared prefix stays on the kernel."""
+    from aaflow.engine.cascade import CascadeBatch
+
+    folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2)
+    engines = [make_engine(folder, num_blocks=128, dtype=dtype) for dtype in ("bfloat16", "bfloat16", "float32")]
+    engines[0].runner.cascade_decode_batch, engines[1].runner.cascade_decode_batch = 3, None
+    kinds = []
+    forward = engines[0].runner.model.forward
+    monkeypatch.setattr(engines[0].runner.model, "forward",
+                        lambda *a, **k: kinds.append(type(a[3]).__name__) or forward(*a, **k))
+    shared = [3 + (i * 7) % 250 for i in range(160)]  # 11 x 160 reads saved: over CASCADE_MIN_SAVED_TOKENS
+    logits = []
+    for engine in engines:
+        seqs = [engine.new_sequence() for _ in range(12)]
+        for n, seq in enumerate(seqs):
+            engine.prefill(seq, shared + [9 + n] * (5 + n))
+        logits.append(torch.cat([engine.decode(seqs, [30 + i + n for n in range(12)]) for i in range(6)]).float())
+        for seq in seqs:
+            engine.free(seq)
+    assert kinds[-6:] == [CascadeBatch.__name__] * 6
+    cascade, kernel, fp32 = logits
+    err = {name: float((x - fp32).abs().max() / fp32.abs().max()) for name, x in (("cascade", cascade), ("kernel", kernel))}
+    assert err["cascade"] <= 1.5 * err["kernel"] + 1e-2, err
+    alone = engines[0]
+    seqs = [alone.new_sequence() for _ in range(3)]
+    for n, seq in enumerate(seqs):
+        alone.prefill(seq, [5 + n + (i * 11) % 250 for i in range(40)])
+    alone.decode(seqs, [1, 2, 3])
+    assert kinds[-1] == "KernelDecodeBatch"
+    for seq in seqs:
+        alone.free(seq)

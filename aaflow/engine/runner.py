@@ -21,6 +21,14 @@ from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
+from aaflow.machine import matrix_isa
+
+# With AMX, a decode step of this many sequences or more that share a prefix runs faster in cascade
+# (the prefix's scores for every sequence in one oneDNN product per kv head) than in the kernel,
+# whose AVX512-BF16 dot products are the bound (SmolLM2 bf16, 2,000 shared + 100 own tokens each,
+# 2 threads, ms a step, kernel / cascade: 3 seqs 38 / 42, 8 51 / 50, 12 58 / 52, 32 100 / 69,
+# 64 176 / 102). On an AMD EPYC's AVX512-BF16 the kernel won at 12 (45-71 against 72-90 ms).
+CASCADE_DECODE_MIN_BATCH = 12
 
 
 class KVRunner(KVImportExport):
@@ -33,12 +41,14 @@ class KVRunner(KVImportExport):
         self.blocks = BlockManager(layout.num_blocks, layout.block_size)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
-        # bf16 attention as plain products: decode reads runs in place, prefill goes in tiles; fp32
-        # keeps the flash kernel (and its results)
+        # bf16 attention as plain products: decode reads runs in place, prefill goes in tiles (with
+        # AMX through the flash kernel, which beats tiles there); fp32 keeps the flash kernel
         self.run_decode = self.tiled_prefill = model.dtype != torch.float32
-        self.flash_prefill = prefill_kernel() == "flash"  # with AMX the flash kernel beats tiles
-        # bf16 decode through the compiled kernel where it builds (it reads every context in place)
+        self.flash_prefill = prefill_kernel() == "flash"
+        # bf16 decode through the compiled kernel where it builds (it reads every context in place);
+        # with AMX, a large batch sharing a prefix reads it once in cascade (oneDNN's tile products)
         self.kernel_decode = decode_kernel_supports(model.dtype, layout.head_dim)
+        self.cascade_decode_batch = CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -267,6 +277,11 @@ class KVRunner(KVImportExport):
             return shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
         return leading_run_blocks(seqs[0].block_table, first_new // bs, bs, decode) * bs
 
+    def _decode_in_cascade(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these sequences goes to cascade attention instead of the kernel."""
+        return (self.cascade_decode_batch is not None and len(seqs) >= self.cascade_decode_batch
+                and shared_prefix_blocks([seq.block_table for seq in seqs], self.layout.block_size) > 0)
+
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
         if len(seq_ids) != len(token_ids) or not seq_ids:
@@ -285,7 +300,7 @@ class KVRunner(KVImportExport):
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
             batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
-        elif self.kernel_decode:
+        elif self.kernel_decode and not self._decode_in_cascade(seqs):
             batch = KernelDecodeBatch.build(write, contexts)
         elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
             batch = RunsDecodeBatch.build(write, contexts)
