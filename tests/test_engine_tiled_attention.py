@@ -91,3 +91,66 @@ def test_engine_prefill_in_tiles_gives_the_flash_path_logits(make_engine, tiny_l
             engine.free(s)
     for i, (ours, ref) in enumerate(zip(*results)):
         assert rel_err(ours, ref) <= 1e-5, f"pass {i}"
+
+
+def test_shared_prefix_is_the_common_leading_slots_up_to_the_first_new_token(monkeypatch):
+    from aaflow.engine import shared_prefix_prefill as spp
+
+    monkeypatch.setattr(spp, "SHARED_PREFIX_MIN_TOKENS", 8)
+    prefix = torch.arange(100, 120)
+    contexts = [torch.cat([prefix, torch.arange(500, 505)]), torch.cat([prefix[:17], torch.arange(600, 610)]),
+                torch.cat([prefix, torch.arange(700, 703)])]
+    assert spp.shared_prefix_tokens(contexts, [20, 20, 20]) == 17  # the second leaves the prefix at 17
+    assert spp.shared_prefix_tokens([contexts[0], contexts[2]], [20, 12]) == 12  # never past a new token
+    assert spp.shared_prefix_tokens([contexts[0], contexts[2]], [5, 20]) == 0  # under the minimum
+    assert spp.shared_prefix_tokens(contexts[:1], [20]) == 0  # one sequence shares nothing
+
+
+def test_shared_prefix_attention_gives_each_members_causal_attention():
+    from aaflow.engine.shared_prefix_prefill import shared_prefix_attention
+
+    torch.manual_seed(3)
+    shared, pk, pv = 40, torch.randn(40, 2, 16), torch.randn(40, 2, 16)
+    members = [(5, 50), (12, 40), (1, 70)]  # (new tokens, start)
+    qs, own_k, own_v, refs = [], [], [], []
+    for T, start in members:
+        k = torch.cat([pk, torch.randn(start + T - shared, 2, 16)])
+        v = torch.cat([pv, torch.randn(start + T - shared, 2, 16)])
+        q = torch.randn(T, 6, 16)
+        qs.append(q), own_k.append(k[shared:]), own_v.append(v[shared:]), refs.append(reference(q, k, v, start))
+    outs = shared_prefix_attention(qs, pk, pv, own_k, own_v, [s for _, s in members])
+    for out, ref in zip(outs, refs):
+        assert rel_err(out, ref) <= 1e-5
+    bf16 = shared_prefix_attention([q.bfloat16() for q in qs], pk.bfloat16(), pv.bfloat16(),
+                                   [k.bfloat16() for k in own_k], [v.bfloat16() for v in own_v], [s for _, s in members])
+    for out, ref in zip(bf16, refs):
+        assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) <= 3e-2
+
+
+def test_engine_pack_over_a_shared_prefix_in_cascade_gives_the_flash_path_logits(make_engine, tiny_llama_dir, monkeypatch):
+    """fp32, tiles forced on with the flash route: a pack whose members continue one cached prefix
+    attends it once (`TiledPrefillBatch.shared`), with the logits of the flash kernel's paths."""
+    from aaflow.engine import shared_prefix_prefill as spp
+    from aaflow.engine import tiled_attention
+
+    monkeypatch.setattr(spp, "SHARED_PREFIX_MIN_TOKENS", 64)
+    built = []
+    build = tiled_attention.TiledPrefillBatch.build
+    monkeypatch.setattr(tiled_attention.TiledPrefillBatch, "build",
+                        classmethod(lambda cls, *a, **k: built.append(build(*a, **k)) or built[-1]))
+    engines = [make_engine(tiny_llama_dir, num_blocks=96, dtype="float32") for _ in range(2)]
+    engines[0].runner.tiled_prefill, engines[1].runner.tiled_prefill = True, False
+    engines[0].runner.flash_prefill = True
+    prefix = [3 + (i * 7) % 250 for i in range(160)]
+    results = []
+    for engine in engines:
+        first = engine.new_sequence()
+        engine.prefill(first, prefix)  # cached: the pack's members reuse its blocks
+        members = [engine.new_sequence() for _ in range(3)]
+        logits, reused = engine.prefill_packed(members, [prefix + [9 + n] * (4 + 7 * n) for n in range(3)])
+        assert reused == [160, 160, 160]
+        results.append(logits)
+        for s in [first] + members:
+            engine.free(s)
+    assert built[-1].shared == 160
+    assert rel_err(results[0], results[1]) <= 1e-5

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from aaflow.engine.attention import run_start
 from aaflow.engine.decode_kernel import KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
+from aaflow.engine.shared_prefix_prefill import shared_prefix_attention, shared_prefix_tokens
 from aaflow.machine import matrix_isa
 
 TILE_TOKENS = 128  # 32 and 64 measured slower at 512-2,048 tokens (256 not tried in this form)
@@ -153,6 +154,7 @@ class TiledPrefillBatch:
     row_tokens: torch.Tensor | None = None  # [N] token rows that go through the kernel
     rows: KernelReads | None = None  # their contexts
     flash: bool = False  # the tiled sequences go through the flash kernel instead of tiles
+    shared: int = 0  # with flash: leading slots all tiled sequences share, attended once (cascade)
 
     @classmethod
     def build(cls, contexts: list[torch.Tensor], starts: list[int], kernel_rows: bool = False,
@@ -168,6 +170,8 @@ class TiledPrefillBatch:
                 tiled.append(i)
         write = torch.cat([context[start:] for context, start in zip(contexts, starts)])
         batch = cls(write, contexts, starts, offsets, [run_start(c) for c in contexts], tiled, flash=flash)
+        if flash:
+            batch.shared = shared_prefix_tokens([contexts[i] for i in tiled], [starts[i] for i in tiled])
         if row_tokens:
             batch.row_tokens, batch.rows = torch.tensor(row_tokens), KernelReads.of(row_contexts)
         return batch
@@ -183,17 +187,20 @@ def tiled_attention(
 ) -> torch.Tensor:  # [T, H * D]
     cache.write(layer, batch.write_slots, k, v)
     k_cache, v_cache = cache.layer(layer)  # [slots, Hkv, D]
-    outs, attend = [], flash_prefill_attention if batch.flash else tiled_prefill_attention
-    for i in batch.tiled:
-        context, start, first = batch.contexts[i], batch.starts[i], batch.read_starts[i]
-        a, b = batch.offsets[i], batch.offsets[i + 1]
-        if start == 0:  # a fresh prompt: its keys are the new tokens themselves
-            kc, vc = k[a:b], v[a:b]
-        elif first is not None:  # one run of slots: views of the pool, no copy
-            kc, vc = k_cache[first:first + context.numel()], v_cache[first:first + context.numel()]
-        else:
-            kc, vc = k_cache.index_select(0, context), v_cache.index_select(0, context)  # [ctx, Hkv, D]
-        outs.append(attend(q[a:b], kc, vc, start))
+    if batch.shared:
+        outs = _shared_prefix(q, k_cache, v_cache, batch)
+    else:
+        outs, attend = [], flash_prefill_attention if batch.flash else tiled_prefill_attention
+        for i in batch.tiled:
+            context, start, first = batch.contexts[i], batch.starts[i], batch.read_starts[i]
+            a, b = batch.offsets[i], batch.offsets[i + 1]
+            if start == 0:  # a fresh prompt: its keys are the new tokens themselves
+                kc, vc = k[a:b], v[a:b]
+            elif first is not None:  # one run of slots: views of the pool, no copy
+                kc, vc = k_cache[first:first + context.numel()], v_cache[first:first + context.numel()]
+            else:
+                kc, vc = k_cache.index_select(0, context), v_cache.index_select(0, context)  # [ctx, Hkv, D]
+            outs.append(attend(q[a:b], kc, vc, start))
     if batch.rows is None:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)  # [T, H * D]
@@ -201,3 +208,19 @@ def tiled_attention(
     for i, part in zip(batch.tiled, outs):
         out[batch.offsets[i]:batch.offsets[i + 1]] = part
     return out
+
+
+def _shared_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   batch: TiledPrefillBatch) -> list[torch.Tensor]:
+    """The tiled sequences' outputs, their shared prefix attended once (`shared_prefix_attention`):
+    the prefix's K/V read from the first sequence's slots, each sequence's own keys gathered."""
+    prefix = batch.contexts[batch.tiled[0]][:batch.shared]
+    first = run_start(prefix)
+    if first is not None:
+        prefix_k, prefix_v = k_cache[first:first + batch.shared], v_cache[first:first + batch.shared]
+    else:
+        prefix_k, prefix_v = k_cache.index_select(0, prefix), v_cache.index_select(0, prefix)
+    own = [batch.contexts[i][batch.shared:] for i in batch.tiled]
+    return shared_prefix_attention([q[batch.offsets[i]:batch.offsets[i + 1]] for i in batch.tiled], prefix_k, prefix_v,
+                                   [k_cache.index_select(0, s) for s in own], [v_cache.index_select(0, s) for s in own],
+                                   [batch.starts[i] for i in batch.tiled])
