@@ -24,8 +24,9 @@ The engines a user would otherwise pick run the same workflows with text passing
 graph mode (the faster kept per workflow), where `.venv-vllm` exists
 (benchmarks/setup_vllm_env.sh). Both vLLM engines stay loaded beside the aaflow cluster and each
 repeat of a workflow runs on them right after aaflow's strategies (one untimed run each first), so
-that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers (full mode only: in quick mode it is
-skipped to keep `aaflow bench all --quick` short); wall seconds per workflow, same repeats.
+that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers
+(full mode only: in quick mode it is skipped to keep `aaflow bench all --quick` short); wall
+seconds per workflow, same repeats.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.baseline_engines import VLLM_PYTHON, faster_mode, start_vllm, transformers_workflows, vllm_specs
-from benchmarks.vllm_runner import VllmError
+from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows
 from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
 from benchmarks.scaling_bench import cold_run, context_text
+from benchmarks.vllm_peers import Peers
 
 
 def chain_workflow(guide: str, max_tokens: int):
@@ -85,7 +86,7 @@ def _warm(cluster, strategies, chunk_tokens) -> None:
         cold_run(cluster, chain_workflow(context_text(96), 2), s, chunk_tokens)
 
 
-def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers: "Peers | None" = None,
+def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers: Peers | None = None,
              key: str = "") -> dict:
     """Medians of `repeats` cold runs per strategy; with `peers`, each repeat also on vLLM (as `key`)."""
     if warmup:
@@ -117,48 +118,6 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
     for s in strategies:
         out[s]["ran"] = chosen[s]
     return out
-
-
-class Peers:
-    """vLLM engines kept loaded beside the aaflow cluster (`benchmarks.vllm_runner`), one per mode,
-    so that each repeat of a workflow runs on vLLM right after it runs on aaflow: both sides see the
-    machine in the same minutes. A mode that fails is dropped, its error kept."""
-
-    def __init__(self, workflows: dict, modes: tuple[str, ...], timeout_s: float) -> None:
-        self.runners, self.errors = {}, {}
-        self.samples: dict[str, dict[str, list[float]]] = {}
-        specs = vllm_specs(workflows)
-        for mode in modes:
-            try:
-                self.runners[mode] = start_vllm(specs, mode, timeout_s)
-                self.samples[mode] = {name: [] for name in workflows}
-            except VllmError as exc:
-                self.errors[mode] = str(exc)
-
-    def warm(self, name: str) -> None:
-        """One untimed run (a long-lived server has seen the workflow's shapes before)."""
-        self._each(lambda mode, runner: runner.run(name))
-
-    def run(self, name: str) -> None:
-        self._each(lambda mode, runner: self.samples[mode][name].append(runner.run(name)))
-
-    def result(self) -> dict:
-        """Per workflow the faster mode's median (`baseline_engines.faster_mode`), or the errors."""
-        timed = {m: per for m, per in self.samples.items() if m not in self.errors and all(per.values())}
-        return faster_mode(timed) if timed else {"error": "; ".join(f"{m}: {e}" for m, e in self.errors.items())}
-
-    def close(self) -> None:
-        for runner in self.runners.values():
-            runner.close()
-
-    def _each(self, call) -> None:
-        for mode, runner in list(self.runners.items()):
-            try:
-                call(mode, runner)
-            except VllmError as exc:
-                self.errors[mode] = str(exc)
-                runner.close()
-                del self.runners[mode]
 
 
 def _measure_all(args, workflows: dict, strategies: list[str], replicas: int, peers: Peers | None = None) -> dict:

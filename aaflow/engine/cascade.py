@@ -27,6 +27,12 @@ CASCADE_MIN_SAVED_TOKENS = 1536
 # run, 118 against 130 ms with a mask; 512 over 2,048: 712 against 917 ms. A decode step over a
 # context in one run needs no mask and reads it in place in one pass (~10% faster than split).
 SPLIT_MIN_RUN_TOKENS = 512
+# With AMX, a decode step of this many sequences or more that share a prefix runs faster in cascade
+# (the prefix's scores for every sequence in one oneDNN product per kv head) than in the kernel,
+# whose AVX512-BF16 dot products are the bound (SmolLM2 bf16, 2,000 shared + 100 own tokens each,
+# 2 threads, ms a step, kernel / cascade: 3 seqs 38 / 42, 8 51 / 50, 12 58 / 52, 32 100 / 69,
+# 64 176 / 102). On an AMD EPYC's AVX512-BF16 the kernel won at 12 (45-71 against 72-90 ms).
+CASCADE_DECODE_MIN_BATCH = 12
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
 
@@ -42,6 +48,7 @@ class CascadeBatch:
 
     def __post_init__(self) -> None:
         self.prefix_start = run_start(self.prefix_slots)
+
 
 
 def shared_prefix_blocks(block_tables: list[list[int]], block_size: int) -> int:
@@ -122,3 +129,10 @@ def _attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch)
     out = out.view(B, kv_heads, group, S, dim).permute(0, 3, 1, 2, 4).reshape(B * S, heads, dim)
     lse = lse.view(B, kv_heads, group, S).permute(0, 3, 1, 2).reshape(B * S, heads)
     return out, lse
+
+
+def decode_in_cascade(block_tables: list[list[int]], block_size: int, min_batch: int | None) -> bool:
+    """Whether a decode step of sequences with these block tables goes to cascade attention rather
+    than the decode kernel: `min_batch` or more of them (None: never) sharing a prefix."""
+    return (min_batch is not None and len(block_tables) >= min_batch
+            and shared_prefix_blocks(block_tables, block_size) > 0)

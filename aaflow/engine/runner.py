@@ -11,7 +11,8 @@ import torch
 
 from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
-from aaflow.engine.cascade import CascadeBatch, leading_run_blocks, shared_prefix_blocks
+from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CascadeBatch, decode_in_cascade, leading_run_blocks,
+                                   shared_prefix_blocks)
 from aaflow.engine.decode_kernel import KernelDecodeBatch, supports as decode_kernel_supports
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
@@ -22,13 +23,6 @@ from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.sequence import Sequence
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
 from aaflow.machine import matrix_isa
-
-# With AMX, a decode step of this many sequences or more that share a prefix runs faster in cascade
-# (the prefix's scores for every sequence in one oneDNN product per kv head) than in the kernel,
-# whose AVX512-BF16 dot products are the bound (SmolLM2 bf16, 2,000 shared + 100 own tokens each,
-# 2 threads, ms a step, kernel / cascade: 3 seqs 38 / 42, 8 51 / 50, 12 58 / 52, 32 100 / 69,
-# 64 176 / 102). On an AMD EPYC's AVX512-BF16 the kernel won at 12 (45-71 against 72-90 ms).
-CASCADE_DECODE_MIN_BATCH = 12
 
 
 class KVRunner(KVImportExport):
@@ -277,11 +271,6 @@ class KVRunner(KVImportExport):
             return shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
         return leading_run_blocks(seqs[0].block_table, first_new // bs, bs, decode) * bs
 
-    def _decode_in_cascade(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these sequences goes to cascade attention instead of the kernel."""
-        return (self.cascade_decode_batch is not None and len(seqs) >= self.cascade_decode_batch
-                and shared_prefix_blocks([seq.block_table for seq in seqs], self.layout.block_size) > 0)
-
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
         if len(seq_ids) != len(token_ids) or not seq_ids:
@@ -300,7 +289,7 @@ class KVRunner(KVImportExport):
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
             batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
-        elif self.kernel_decode and not self._decode_in_cascade(seqs):
+        elif self.kernel_decode and not decode_in_cascade([s.block_table for s in seqs], bs, self.cascade_decode_batch):
             batch = KernelDecodeBatch.build(write, contexts)
         elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
             batch = RunsDecodeBatch.build(write, contexts)
