@@ -56,6 +56,17 @@ def tiny_engine(tiny_llama_dir):
 
 
 @pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """An in-process engine built with `threads=N` sets torch's thread count for the whole process;
+    later tests get the count back. (On a Xeon with AMX, deterministic-mode chunked prefill is not
+    bit for bit one-pass prefill at one thread: `test_engine_deterministic` failed after a test left
+    one thread set.)"""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def kv_leak_check(request):
     """After every test, every engine's pool must be back to zero used blocks, and nothing else the test
     made may be left behind: KV on Ray replicas, transport endpoints, threads (`tests/leak_checks.py`)."""
