@@ -63,7 +63,8 @@ class NativeModule:
             cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
         except OSError:
             pass
-        digest = hashlib.sha256(self.source.read_bytes() + platform.machine().encode() + cpu.encode()).hexdigest()[:12]
+        code = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers too
+        digest = hashlib.sha256(code + platform.machine().encode() + cpu.encode()).hexdigest()[:12]
         return f"aaflow_{self.source.stem}_{digest}"
 
 

@@ -12,24 +12,17 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
+using aaflow_bf16::bf16_to_float;
+using aaflow_bf16::float_to_bf16;
+#if defined(__AVX512BF16__)
+using aaflow_bf16::sum_lanes4;
+#endif
+
 constexpr int64_t kChunk = 256;  // keys per work item
-
-inline float bf16_to_float(uint16_t x) {
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
 
 struct WorkItems {  // (sequence, first key) of each chunk of each context
   std::vector<int64_t> seq, first;
@@ -111,15 +104,6 @@ void values_chunk(const uint16_t* probs, const uint16_t* v, const int64_t* slots
 
 // AVX512-BF16 paths for D = 64: bf16 pairs go straight into vdpbf16ps (fp32 accumulators), one kv
 // head at a time so its query rows (scores) or output rows (values) stay in registers.
-inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {  // -> [sum a, sum b, sum c, sum d]
-  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
-  abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0xB1));
-  return _mm512_castps512_ps128(abcd);  // 128-bit lane 0: a, b, c, d in that order
-}
-
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 void scores_chunk_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slots, int64_t first, int64_t last,

@@ -8,48 +8,27 @@
 // become the bound), so the engine sends only single rows here.
 //
 // Shapes: x [1, K] bf16 contiguous; W [N, K] bf16 contiguous, K % 32 == 0; bias [N] bf16 or empty.
-// Returns y [1, N] bf16: fp32 sums (plus the bias) rounded once, to nearest even.
+// Returns y [1, N] bf16: fp32 sums (plus the bias) rounded once, to nearest even (NaN: torch's 0x7fc0).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
-#include <cstring>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "bf16.h"
 
 namespace {
 
+using aaflow_bf16::bf16_to_float;
+using aaflow_bf16::float_to_bf16;
+#if defined(__AVX512BF16__)
+using aaflow_bf16::sum_lanes4;
+#endif
+
 constexpr int64_t kGrain = 64;  // output rows per task
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return uint16_t(bits >> 16);
-}
 
 inline float bias_at(const uint16_t* bias, int64_t n) { return bias ? bf16_to_float(bias[n]) : 0.f; }
 
 #if defined(__AVX512BF16__)
-inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {  // -> [sum a, sum b, sum c, sum d]
-  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
-  abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0xB1));
-  return _mm512_castps512_ps128(abcd);  // 128-bit lane 0: a, b, c, d in that order
-}
-
 void band(const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t K, int64_t lo, int64_t hi,
           uint16_t* y) {
   int64_t n = lo;
