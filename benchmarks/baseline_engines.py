@@ -25,17 +25,28 @@ from benchmarks.vllm_runner import VLLM_PYTHON, VllmError, VllmRunner
 
 
 def agent_specs(workflows: dict) -> dict[str, list[dict]]:
-    """{workflow name: [{"name", "max_tokens", "prompt": [str | {"ref": agent}]}]}, contexts inlined,
-    every agent after the agents it reads (the graph's topological order)."""
+    """{workflow name: [{"name", "max_tokens", "system", "prompt": [str | {"ref": agent}]}]}, contexts
+    inlined, every agent after the agents it reads (the graph's topological order). A baseline runs
+    an agent's parts joined by blank lines inside the model's chat template (`chat_prompt`), the
+    text aaflow's agents run."""
     from aaflow.workflow.graph import AgentNode, ContextNode
 
     def spec(wf, a: AgentNode) -> dict:
-        return {"name": a.name, "max_tokens": a.max_tokens,
+        return {"name": a.name, "max_tokens": a.max_tokens, "system": a.system,
                 "prompt": [p if isinstance(p, str) else wf.nodes[p.name].text
                            if isinstance(wf.nodes[p.name], ContextNode) else {"ref": p.name} for p in a.prompt]}
 
     return {name: [spec(wf, wf.nodes[n]) for n in wf.topological_order() if isinstance(wf.nodes[n], AgentNode)]
             for name, wf in workflows.items()}
+
+
+def chat_prompt(tokenizer, agent: dict, out: dict[str, str]) -> str:
+    """An agent's prompt text as a user of the engine would send it: its parts (earlier agents'
+    outputs from `out`) joined by blank lines, inside the model's chat template."""
+    user = "\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
+    messages = ([{"role": "system", "content": agent["system"]}] if agent.get("system") else []) + [
+        {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def vllm_specs(workflows: dict, decoded: dict[str, dict[str, int]] | None = None) -> dict[str, list[dict]]:
@@ -100,8 +111,7 @@ def transformers_workflows(workflows: dict, repeats: int, dtype: str = "bfloat16
     def run(agents: list[dict]) -> float:
         out, t0 = {}, time.perf_counter()
         for agent in agents:  # dependency order
-            prompt = "\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
-            ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, n]
+            ids = tokenizer(chat_prompt(tokenizer, agent, out), return_tensors="pt").input_ids  # [1, n]
             with torch.inference_mode():
                 new = model.generate(ids, do_sample=False, max_new_tokens=agent["max_tokens"],
                                      min_new_tokens=agent["max_tokens"], pad_token_id=tokenizer.eos_token_id)

@@ -5,7 +5,10 @@ core, OpenMP threads bound to all cores, bf16, automatic prefix caching on) and 
 so that a benchmark can alternate its runs with aaflow's, repeat by repeat, on a machine whose
 speed drifts within minutes. Each `run(name)` clears vLLM's prefix cache, runs the workflow with
 text passing (every agent whose inputs are done submitted in one `generate` batch, greedy, each
-generating exactly its `max_tokens`) and answers its wall seconds.
+generating exactly its `max_tokens`) and answers its wall seconds. Each prompt is the agent's parts
+joined by blank lines inside the model's chat template (its system message first, if any): the
+prompt aaflow's agents run (`aaflow.runtime.prompts.PromptBuilder`), so that both sides prefill and
+decode the same text.
 """
 
 from __future__ import annotations
@@ -28,11 +31,19 @@ def main():
     llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"],
               enable_prefix_caching=True, max_model_len=8192, seed=0)
 
+    tokenizer = llm.get_tokenizer()
+
+    def chat(agent, out):
+        user = "\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
+        messages = ([{"role": "system", "content": agent["system"]}] if agent.get("system") else []) + [
+            {"role": "user", "content": user}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     def run(agents):
         out, pending, t0 = {}, list(agents), time.perf_counter()
         while pending:
             ready = [a for a in pending if all(p["ref"] in out for p in a["prompt"] if isinstance(p, dict))]
-            prompts = ["\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in a["prompt"]) for a in ready]
+            prompts = [chat(a, out) for a in ready]
             sps = [SamplingParams(temperature=0.0, max_tokens=a["max_tokens"], ignore_eos=True) for a in ready]
             for a, r in zip(ready, llm.generate(prompts, sps, use_tqdm=False)):
                 out[a["name"]] = r.outputs[0].text

@@ -87,6 +87,29 @@ def test_baseline_engines_see_the_workflow_as_text_passing():
     assert meta["prompt"][0] == "A short document." and {"ref": "r_novelty"} in meta["prompt"]
 
 
+def test_baseline_engines_prompt_the_text_aaflows_agents_run(smollm2_dir):
+    """vLLM and transformers get each agent's parts inside the chat template, as aaflow's agents do:
+    the same text for an agent whose parts are all text (a bare join would be another prompt). aaflow
+    tokenizes each part apart (a context's KV is reused as is), so a join may split differently."""
+    from transformers import AutoTokenizer
+
+    from aaflow.runtime.prompts import PromptBuilder
+    from benchmarks.baseline_engines import agent_specs, chat_prompt
+    from benchmarks.workflows_bench import map_reduce_workflow
+
+    wf = map_reduce_workflow("A short document about rivers.", 4)
+    wf.agent("solo", "smollm2", ["Say hello."], system="You are brief.")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    builder = PromptBuilder(tokenizer)
+    for spec in agent_specs({"mr": wf})["mr"]:
+        if any(isinstance(p, dict) for p in spec["prompt"]):
+            continue  # reads another agent: its text is known only at run time
+        aaflow_ids = [t for seg in builder.segments(wf, wf.nodes[spec["name"]]) for t in seg]
+        baseline_text = chat_prompt(tokenizer, spec, {})
+        assert tokenizer.decode(aaflow_ids) == baseline_text, spec["name"]
+        assert abs(len(tokenizer(baseline_text).input_ids) - len(aaflow_ids)) <= len(spec["prompt"]), spec["name"]
+
+
 def test_planner_choice_is_judged_by_autos_own_runs():
     from benchmarks.planner_bench import judge_choice
 
