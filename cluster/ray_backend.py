@@ -32,7 +32,8 @@ class RayBackend(Backend):
         info = self.cluster.info
         return [ReplicaInfo(r.name, r.model, r.engine, info.get(r.name, {}).get("node"),
                             info.get(r.name, {}).get("threads", 1), info.get(r.name, {}).get("kv_blocks"),
-                            info.get(r.name, {}).get("block_size", 16)) for r in self.handles.values()]
+                            info.get(r.name, {}).get("block_size", 16), info.get(r.name, {}).get("prefix_caching", True))
+                for r in self.handles.values()]
 
     def default_transport(self) -> str:
         """The best transport every replica's engine takes (`cluster.replica_api.default_transport`)."""

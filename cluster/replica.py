@@ -46,6 +46,7 @@ class ModelReplica(ReplicaBase):
         lay = self.engine.kv_layout
         return {"bytes_per_token": self.host.spec.bytes_per_token, "threads": torch.get_num_threads(),
                 "block_size": lay.block_size, "kv_blocks": lay.num_blocks,
+                "prefix_caching": self.engine.runner.prefix_caching,
                 "max_tokens": min(self.engine.config.max_position_embeddings, lay.num_blocks * lay.block_size // 4)}
 
     def stats(self) -> dict:

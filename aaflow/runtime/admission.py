@@ -8,8 +8,13 @@ overtaken by its consumers); each release admits from the head of the queue. An 
 not fit even alone is admitted when its replica holds no other reservation (its output may stop
 early); a real shortage is then handled by preemption (`Recovery.kv_short`).
 
-Reservations are conservative: blocks shared by forks and the prefix cache are counted once per
-agent, and a shared prefix held by the run itself is not counted. They cover this run only: other
+Agents on one replica whose prompts start with the same static prefix (chat header and leading
+contexts) hold its full blocks once, through the prefix cache or a fork: those blocks are reserved
+once per replica while any of them is admitted, not once per agent (64 agents over one
+2,000-token prompt were admitted a few at a time). Agents that turn KV reuse off (`text-nocache`)
+and replicas without a prefix cache count every agent's prefix. The rest is conservative (an
+upstream agent's output and the block a fork copies count in full for each). They cover this
+run only: other
 runs on the same replicas and pinned contexts are found out by the replica's `KVCapacityError`,
 which preempts. Replicas that do not say how many blocks they have (vLLM, the simulated clock)
 admit everyone: vLLM's own scheduler queues and preempts.
@@ -19,7 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aaflow.runtime.prompts import AgentInput
+from aaflow.runtime.prompts import AgentInput, static_prefix
+from aaflow.strategies import TEXT_NOCACHE
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
@@ -34,9 +40,11 @@ class Admission:
         self.capacity = {r.name: r.kv_blocks for r in scheduler.replicas}  # None: not limited here
         self.block_tokens = {r.name: max(1, r.block_tokens) for r in scheduler.replicas}
         self.reserved = {r.name: 0 for r in scheduler.replicas}
-        self.holds: dict[str, tuple[str, int]] = {}  # agent -> (replica, blocks reserved)
+        self.holds: dict[str, tuple[str, int, tuple | None]] = {}  # agent -> (replica, blocks, prefix key)
         self.waiting: dict[str, list[AgentState]] = {r.name: [] for r in scheduler.replicas}
         self.gated: dict[str, str] = {}  # preempted agent -> the replica where it waits for a release
+        self.prefix_cache = {r.name: r.prefix_cache for r in scheduler.replicas}
+        self.prefix_holders: dict[tuple, int] = {}  # (replica, prefix key) -> agents admitted holding it
 
     def blocks(self, agent: AgentState, replica: str) -> int:
         """The most blocks `agent` can hold on `replica`: prompt at its longest plus its output."""
@@ -45,9 +53,23 @@ class Admission:
                                         for s in agent.segments)
         return -(-tokens // self.block_tokens[replica]) + 1  # + the block a fork copies on write
 
+    def shared_blocks(self, agent: AgentState, replica: str) -> int:
+        """The full blocks of `agent`'s static prefix that other agents with that prefix on `replica`
+        share with it (0 where every agent holds its own copy)."""
+        if agent.strategy == TEXT_NOCACHE or not (self.prefix_cache.get(replica, True) or agent.shares_prefix):
+            return 0
+        return len(static_prefix(agent.segments)) // self.block_tokens[replica]
+
+    def cost(self, agent: AgentState, replica: str) -> int:
+        """Blocks admitting `agent` on `replica` adds to the reservations: its own, plus its shared
+        prefix's unless an admitted agent already holds that prefix there."""
+        shared = self.shared_blocks(agent, replica)
+        held = (replica, agent.prefix_key) in self.prefix_holders
+        return self.blocks(agent, replica) - (shared if held else 0)
+
     def fits(self, agent: AgentState, replica: str) -> bool:
         capacity = self.capacity.get(replica)
-        return capacity is None or self.reserved[replica] + self.blocks(agent, replica) <= capacity
+        return capacity is None or self.reserved[replica] + self.cost(agent, replica) <= capacity
 
     def admit(self, agent: AgentState) -> bool:
         """Reserve room for `agent` on its replica now, or queue it (False)."""
@@ -69,8 +91,10 @@ class Admission:
                 queue.remove(agent)
         if hold is None:
             return
-        replica, blocks = hold
+        replica, blocks, key = hold
         self.reserved[replica] -= blocks
+        if key is not None:
+            self._drop_holder(replica, key)
         for name in [n for n, r in self.gated.items() if r == replica]:
             del self.gated[name]
         self._admit_waiting(replica)
@@ -110,9 +134,27 @@ class Admission:
         return self.gated.get(agent.name) != replica and (self.fits(agent, replica) or not self.reserved[replica])
 
     def _reserve(self, agent: AgentState) -> None:
-        blocks = self.blocks(agent, agent.replica)
-        self.holds[agent.name] = (agent.replica, blocks)
-        self.reserved[agent.replica] += blocks
+        """Hold `agent`'s own blocks, and its shared prefix's blocks for all its holders (the first
+        holder adds them, the last one to leave gives them back)."""
+        replica = agent.replica
+        shared = self.shared_blocks(agent, replica)
+        key = (agent.prefix_key, shared) if shared else None
+        own = self.blocks(agent, replica) - shared
+        if key is not None:
+            holders = self.prefix_holders.get((replica, key[0]), 0)
+            if not holders:
+                self.reserved[replica] += shared
+            self.prefix_holders[(replica, key[0])] = holders + 1
+        self.holds[agent.name] = (replica, own, key)
+        self.reserved[replica] += own
+
+    def _drop_holder(self, replica: str, key: tuple) -> None:
+        prefix, shared = key
+        left = self.prefix_holders.pop((replica, prefix)) - 1
+        if left:
+            self.prefix_holders[(replica, prefix)] = left
+        else:
+            self.reserved[replica] -= shared
 
     def _open(self, agent: AgentState) -> None:
         self._reserve(agent)

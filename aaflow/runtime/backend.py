@@ -21,7 +21,8 @@ class ReplicaLostError(AAFlowError, RuntimeError):
 @dataclass(frozen=True)
 class ReplicaInfo:
     """What the scheduler knows of a replica: where it runs, on how many threads, and how many KV
-    blocks of how many tokens its pool has (None: it does not say; nothing is admitted by size)."""
+    blocks of how many tokens its pool has (None: it does not say; nothing is admitted by size), and
+    whether its prefix cache lets agents with one prompt prefix share that prefix's blocks."""
 
     name: str
     model: str
@@ -30,6 +31,7 @@ class ReplicaInfo:
     threads: int = 1
     kv_blocks: int | None = None
     block_tokens: int = 16
+    prefix_cache: bool = True
 
 
 class Ticket:
