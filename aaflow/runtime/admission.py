@@ -10,14 +10,14 @@ early); a real shortage is then handled by preemption (`Recovery.kv_short`).
 
 Agents on one replica whose prompts start with the same static prefix (chat header and leading
 contexts) hold its full blocks once, through the prefix cache or a fork: those blocks are reserved
-once per replica while any of them is admitted, not once per agent (64 agents over one
-2,000-token prompt were admitted a few at a time). Agents that turn KV reuse off (`text-nocache`)
+once per replica while any of them is admitted, not once per agent (counted per agent, a pool
+with room for one 2,000-token prefix and eight agents' own blocks admitted one of the eight;
+`tests/test_admission_shared_prefix.py`). Agents that turn KV reuse off (`text-nocache`)
 and replicas without a prefix cache count every agent's prefix. The rest is conservative (an
-upstream agent's output and the block a fork copies count in full for each). They cover this
-run only: other
-runs on the same replicas and pinned contexts are found out by the replica's `KVCapacityError`,
-which preempts. Replicas that do not say how many blocks they have (vLLM, the simulated clock)
-admit everyone: vLLM's own scheduler queues and preempts.
+upstream agent's output and the block a fork copies count in full for each). Reservations cover
+this run only: other runs on the same replicas and pinned contexts are found out by the replica's
+`KVCapacityError`, which preempts. Replicas that do not say how many blocks they have (vLLM, the
+simulated clock) admit everyone: vLLM's own scheduler queues and preempts.
 """
 
 from __future__ import annotations
