@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from aaflow.engine.attention import AttentionBatch, PackedBatch, paged_attention
 from aaflow.engine.cascade import CascadeBatch, cascade_attention
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.decode_kernel import KernelDecodeBatch, kernel_decode_attention
+from aaflow.engine.elementwise import Elementwise
 from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.linear import Linear
@@ -42,33 +42,33 @@ class LlamaModel:
         self.dtype = dtype
         self.deterministic = deterministic
         self.rotary = RotaryTable(config, dtype)
+        self.elementwise = Elementwise(dtype, config.rms_norm_eps)
 
     def _linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         if self.deterministic and x.shape[0] == 1:  # oneDNN's one-row kernel rounds unlike the many-row one
             return linear(x.expand(2, -1).contiguous())[:1]
         return linear(x)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # HF order: normalize in float32, cast back, then scale
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps)
-        return weight * normed.to(self.dtype)
-
     def _layer(
-        self, index: int, w: LayerWeights, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        cache: PagedKVCache, batch: Batch,
-    ) -> torch.Tensor:  # h: [T, hidden] -> [T, hidden]
+        self, index: int, w: LayerWeights, h: torch.Tensor, delta: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache, batch: Batch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # h, delta: [T, hidden] -> (h, delta) [T, hidden] each
+        """One decoder layer over the residual stream h + delta (delta: the previous layer's MLP
+        output, not yet added, so the add fuses with this layer's first norm; None at layer 0).
+        Returns the stream and this layer's MLP output, again not yet added."""
         c = self.config
+        ew = self.elementwise
         T = h.shape[0]
-        qkv = self._linear(w.qkv, self._rms_norm(h, w.input_norm))  # [T, q_size + 2 * kv_size]
+        h, x = ew.add_norm(h, delta, w.input_norm)
+        qkv = self._linear(w.qkv, x)  # [T, q_size + 2 * kv_size]
         qk = qkv[:, : c.q_size + c.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
-        qk = self.rotary.rotate(qk, *cos_sin)  # q and k heads rotated together: [T, H + Hkv, D]
+        qk = ew.rotate(qk, *cos_sin)  # q and k heads rotated together: [T, H + Hkv, D]
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].reshape(T, c.num_kv_heads, c.head_dim)
         attend = _ATTENTION.get(type(batch), paged_attention)
         attn = attend(index, q, k, v, cache, batch)  # [T, H * D]
-        h = h + self._linear(w.o, attn)
-        gate, up = self._linear(w.gate_up, self._rms_norm(h, w.post_norm)).chunk(2, dim=-1)  # [T, I] each
-        return h + self._linear(w.down, F.silu(gate) * up)
+        h, x = ew.add_norm(h, self._linear(w.o, attn), w.post_norm)
+        return h, self._linear(w.down, ew.silu_mul(self._linear(w.gate_up, x)))  # gate_up: [T, 2I]
 
     @torch.inference_mode()
     def run_layers(
@@ -76,11 +76,19 @@ class LlamaModel:
         batch: Batch, num_layers: int,
     ) -> torch.Tensor:  # input_ids, positions: [T] -> hidden states after `num_layers` layers [T, hidden]
         """Run the first `num_layers` layers, writing the new tokens' K/V of those layers to the cache."""
+        h, delta = self._stream(input_ids, positions, cache, batch, num_layers)
+        return h if delta is None else h + delta
+
+    def _stream(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
+        num_layers: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # the residual stream as (h, delta), [T, hidden] each
         h = self.weights.embed[input_ids]  # [T, hidden]
         cos_sin = self.rotary.at(positions)
+        delta = None
         for index in range(num_layers):
-            h = self._layer(index, self.weights.layers[index], h, cos_sin, cache, batch)
-        return h
+            h, delta = self._layer(index, self.weights.layers[index], h, delta, cos_sin, cache, batch)
+        return h, delta
 
     @torch.inference_mode()
     def forward(
@@ -91,7 +99,8 @@ class LlamaModel:
         batch: Batch,
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to the vocabulary; None = all
     ) -> torch.Tensor:  # float32 logits [R, vocab]
-        h = self.run_layers(input_ids, positions, cache, batch, self.config.num_layers)
+        h, delta = self._stream(input_ids, positions, cache, batch, self.config.num_layers)
         if logit_rows is not None:
-            h = h[logit_rows]
-        return self._linear(self.weights.lm_head, self._rms_norm(h, self.weights.final_norm)).float()
+            h, delta = h[logit_rows], None if delta is None else delta[logit_rows]
+        _, normed = self.elementwise.add_norm(h, delta, self.weights.final_norm)
+        return self._linear(self.weights.lm_head, normed).float()

@@ -23,8 +23,9 @@ CSRC = Path(__file__).parent / "csrc"
 class NativeModule:
     """One C++ source, built and loaded at most once per process (thread-safe)."""
 
-    def __init__(self, source: str, label: str, env_switch: str) -> None:
+    def __init__(self, source: str, label: str, env_switch: str, extra_cflags: tuple[str, ...] = ()) -> None:
         self.source = CSRC / source
+        self.extra_cflags = list(extra_cflags)  # beyond -O3 -march=native -fopenmp
         self.label = label  # for the progress line: "the bf16 decode attention kernel"
         self.env_switch = env_switch  # set to 0: not built, not loaded
         self._lock = threading.Lock()
@@ -49,7 +50,7 @@ class NativeModule:
                           file=sys.stderr, flush=True)
                 self._module = load_extension(
                     name, sources=[str(self.source)], verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *self.extra_cflags], extra_ldflags=["-fopenmp"],
                 )
             except Exception as error:  # no compiler, no headers: the torch paths still work
                 log.warning("aaflow: %s unavailable, using torch paths: %s", self.label, error)
@@ -64,6 +65,7 @@ class NativeModule:
         except OSError:
             pass
         code = self.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers too
+        code += " ".join(self.extra_cflags).encode()
         digest = hashlib.sha256(code + platform.machine().encode() + cpu.encode()).hexdigest()[:12]
         return f"aaflow_{self.source.stem}_{digest}"
 

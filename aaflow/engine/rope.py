@@ -34,7 +34,8 @@ def _llama3_scaling(inv_freq: torch.Tensor, s: dict[str, float]) -> torch.Tensor
 
 
 class RotaryTable:
-    """Precomputed cos/sin for every position, applied to q/k in the non-interleaved (HF) layout."""
+    """Precomputed cos/sin for every position, for q/k in the non-interleaved (HF) layout (applied by
+    `Elementwise.rotate`)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -45,15 +46,8 @@ class RotaryTable:
         self.sin = emb.sin().to(dtype)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, sin), each [T, 1, D], to pass to `rotate`."""
+        """positions: [T] -> (cos, sin), each [T, 1, D], to pass to `Elementwise.rotate`."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D] rotated by (cos, sin) from `at`: [T, H, D]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
     def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys rotated for position p moved to p + delta (RoPE rotations compose): [..., D] -> same.
