@@ -4,6 +4,10 @@
 // them) and the probabilities' weighted sum of V (fp32 partial sums per chunk, added in chunk
 // order). Chunks start at fixed key positions, so a sequence's result does not depend on the
 // batch it runs in or on how the threads share the work.
+//
+// Reading each key's row once for all its query rows and prefetching the rows 16 keys ahead
+// (pages scatter a context's slots) took one step's 30 layers (SmolLM2, Xeon with AMX, 2 threads,
+// cold caches) from 15.3 to 10.6 ms at 64 x 100 keys, 47 to 30 ms at 8 x 2,500, 3.3 to 2.4 ms at 1 x 2,500.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -16,11 +20,7 @@
 
 namespace {
 
-using aaflow_bf16::bf16_to_float;
-using aaflow_bf16::float_to_bf16;
-#if defined(__AVX512BF16__)
-using aaflow_bf16::sum_lanes4;
-#endif
+using namespace aaflow_bf16;
 
 constexpr int64_t kChunk = 256;  // keys per work item
 
@@ -106,28 +106,50 @@ void values_chunk(const uint16_t* probs, const uint16_t* v, const int64_t* slots
 // head at a time so its query rows (scores) or output rows (values) stay in registers.
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
+inline void prefetch_row(const uint16_t* p) {  // one kv head's 64 bf16: two cache lines
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + 32), _MM_HINT_T0);
+}
+
+constexpr int64_t kPrefetchKeys = 16;  // how far ahead the next keys' rows are fetched
+
+// Keys four at a time, each key's row read once for every kv head and query row; the next keys'
+// rows are prefetched (a context's slots jump between pages, which the hardware does not follow).
 void scores_chunk_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slots, int64_t first, int64_t last,
                        int64_t heads, int64_t kv_heads, int64_t ctx, uint16_t* out) {
   constexpr int D = 64;
   const int64_t group = heads / kv_heads;
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = h * group + g;
-      const __m512bh q0 = load_bh(q + row * D), q1 = load_bh(q + row * D + 32);
-      int64_t j = first;
-      for (; j + 4 <= last; j += 4) {
+  int64_t j = first;
+  for (; j + 4 <= last; j += 4) {
+    for (int64_t t = 0; t < 4 && j + t + kPrefetchKeys < last; ++t)
+      for (int64_t h = 0; h < kv_heads; ++h) prefetch_row(k + (slots[j + t + kPrefetchKeys] * kv_heads + h) * D);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512bh k0[4], k1[4];
+      for (int t = 0; t < 4; ++t) {
+        const uint16_t* kr = k + (slots[j + t] * kv_heads + h) * D;
+        k0[t] = load_bh(kr);
+        k1[t] = load_bh(kr + 32);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = h * group + g;
+        const __m512bh q0 = load_bh(q + row * D), q1 = load_bh(q + row * D + 32);
         __m512 acc[4];
-        for (int t = 0; t < 4; ++t) {
-          const uint16_t* kr = k + (slots[j + t] * kv_heads + h) * D;
-          acc[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, load_bh(kr)), q1, load_bh(kr + 32));
-        }
+        for (int t = 0; t < 4; ++t)
+          acc[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, k0[t]), q1, k1[t]);
         float sums[4];
         _mm_storeu_ps(sums, sum_lanes4(acc[0], acc[1], acc[2], acc[3]));
         for (int t = 0; t < 4; ++t) out[row * ctx + j + t] = float_to_bf16(sums[t]);
       }
-      for (; j < last; ++j) {
-        const uint16_t* kr = k + (slots[j] * kv_heads + h) * D;
-        __m512 acc = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q0, load_bh(kr)), q1, load_bh(kr + 32));
+    }
+  }
+  for (; j < last; ++j) {  // the chunk's last keys, one at a time
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const uint16_t* kr = k + (slots[j] * kv_heads + h) * D;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t row = h * group + g;
+        const __m512 acc = _mm512_dpbf16_ps(
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(q + row * D), load_bh(kr)), load_bh(q + row * D + 32),
+            load_bh(kr + 32));
         out[row * ctx + j] = float_to_bf16(_mm512_reduce_add_ps(acc));
       }
     }
@@ -148,6 +170,10 @@ void values_chunk_bf16(const uint16_t* probs, const uint16_t* v, const int64_t* 
     for (int64_t g = 0; g < group; ++g)
       for (int a = 0; a < 4; ++a) acc[g][a] = _mm512_setzero_ps();
     for (int64_t j = first; j < last; j += 2) {
+      if (j + kPrefetchKeys + 1 < last) {
+        prefetch_row(v + (slots[j + kPrefetchKeys] * kv_heads + h) * D);
+        prefetch_row(v + (slots[j + kPrefetchKeys + 1] * kv_heads + h) * D);
+      }
       const bool pair = j + 1 < last;
       const uint16_t* ra = v + (slots[j] * kv_heads + h) * D;
       const __m512i a0 = _mm512_loadu_si512(ra), a1 = _mm512_loadu_si512(ra + 32);

@@ -18,11 +18,7 @@
 
 namespace {
 
-using aaflow_bf16::bf16_to_float;
-using aaflow_bf16::float_to_bf16;
-#if defined(__AVX512BF16__)
-using aaflow_bf16::sum_lanes4;
-#endif
+using namespace aaflow_bf16;
 
 constexpr int64_t kGrain = 64;  // output rows per task
 
