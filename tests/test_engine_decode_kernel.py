@@ -75,6 +75,19 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel):
     assert torch.equal(reversed_.flip(0), together)
 
 
+def test_a_key_gets_the_same_score_whatever_the_context_length(kernel):
+    """Keys past a context's last group of four are summed one at a time, in the group's lane order,
+    so a key's score does not change as the context grows past it. Each key's head here dots with
+    the ones query to 1 in that order and to 0 in another (2^25 + 1 rounds to 2^25)."""
+    key = torch.zeros(DIM)
+    key[0], key[4], key[16] = 2.0 ** 25, -(2.0 ** 25), 1.0
+    k_cache = key.expand(8, KV_HEADS, DIM).contiguous().bfloat16()
+    q = torch.ones(1, KV_HEADS * GROUP, DIM).bfloat16()
+    reads = decode_kernel.KernelReads.of([torch.arange(5)])  # keys 0-3 a group, key 4 alone
+    scores = kernel.decode_scores(q, k_cache, reads.slots, reads.lengths)
+    assert scores.float().unique().tolist() == [1.0]
+
+
 def test_kernel_refuses_what_it_was_not_built_for(kernel):
     q, k_cache, v_cache, contexts = _paged_batch([10])
     reads = decode_kernel.KernelReads.of(contexts)
@@ -164,6 +177,7 @@ def test_a_large_batch_sharing_a_prefix_decodes_in_cascade_as_close_to_fp32_as_t
                              num_key_value_heads=2, num_hidden_layers=2)
     engines = [make_engine(folder, num_blocks=128, dtype=dtype) for dtype in ("bfloat16", "bfloat16", "float32")]
     engines[0].runner.cascade_decode_batch, engines[1].runner.cascade_decode_batch = 3, None
+    engines[0].runner.cascade_decode_min_reads = 1024  # 12 x 160 shared tokens: cascade here
     kinds = []
     forward = engines[0].runner.model.forward
     monkeypatch.setattr(engines[0].runner.model, "forward",

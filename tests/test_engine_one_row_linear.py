@@ -52,3 +52,21 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(linear.ONE_ROW.env_switch, "0")
     assert one_row_kernel() is None
     assert Linear(torch.randn(8, 64).bfloat16(), None, prepack=True).one_row is None
+
+
+def cancelling_row(width: int) -> torch.Tensor:
+    """A row whose dot product with ones is 1 summed in one lane order and 0 in another: its
+    AVX512 lanes hold 2^25 (lane 0), -2^25 (lane 2) and 1 (lane 8), and 2^25 + 1 rounds to 2^25."""
+    row = torch.zeros(width)
+    row[0], row[4], row[16] = 2.0 ** 25, -(2.0 ** 25), 1.0
+    return row.bfloat16()
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_group_of_four():
+    """A band's last rows are summed one at a time; they must give the bits a group of four gives,
+    or a row's result depends on how the threads split the rows (once, the first decode step of a
+    process changed a tiny model's logits by 5%)."""
+    layer = Linear(cancelling_row(64).expand(5, -1).contiguous(), None, prepack=True)
+    kernel, weight, bias = layer.one_row
+    out = kernel.one_row_linear(torch.ones(1, 64).bfloat16(), weight, bias)  # rows 0-3 a group, row 4 alone
+    assert out.float().tolist() == [[1.0] * 5]

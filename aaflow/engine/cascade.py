@@ -33,6 +33,12 @@ SPLIT_MIN_RUN_TOKENS = 512
 # 2 threads, ms a step, kernel / cascade: 3 seqs 38 / 42, 8 51 / 50, 12 58 / 52, 32 100 / 69,
 # 64 176 / 102). On an AMD EPYC's AVX512-BF16 the kernel won at 12 (45-71 against 72-90 ms).
 CASCADE_DECODE_MIN_BATCH = 12
+# ... and once the shared prefix is long: its tokens x the sequences reach this. Below, the kernel
+# (each key's row read once, prefetched) wins even at 64 sequences. ms a step, kernel / cascade,
+# same setup, shared + own tokens: 64 x (48 + 60) 49-53 / 57-61, 64 x (48 + 110) 54 / 66-70,
+# 64 x (256 + 100) 62-64 / 69, 64 x (512 + 100) 76-77 / 70-75, 16 x (2,000 + 60) 55 / 49,
+# 64 x (2,000 + 100) 148-152 / 89-91.
+CASCADE_DECODE_MIN_SHARED_READS = 32768
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
 
@@ -131,8 +137,12 @@ def _attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch)
     return out, lse
 
 
-def decode_in_cascade(block_tables: list[list[int]], block_size: int, min_batch: int | None) -> bool:
+def decode_in_cascade(block_tables: list[list[int]], block_size: int, min_batch: int | None,
+                      min_shared_reads: int = CASCADE_DECODE_MIN_SHARED_READS) -> bool:
     """Whether a decode step of sequences with these block tables goes to cascade attention rather
-    than the decode kernel: `min_batch` or more of them (None: never) sharing a prefix."""
-    return (min_batch is not None and len(block_tables) >= min_batch
-            and shared_prefix_blocks(block_tables, block_size) > 0)
+    than the decode kernel: `min_batch` or more of them (None: never) sharing a prefix whose tokens
+    times the sequences reach `min_shared_reads`."""
+    if min_batch is None or len(block_tables) < min_batch:
+        return False
+    shared = shared_prefix_blocks(block_tables, block_size) * block_size
+    return shared > 0 and shared * len(block_tables) >= min_shared_reads

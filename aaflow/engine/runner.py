@@ -11,8 +11,8 @@ import torch
 
 from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
-from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CascadeBatch, decode_in_cascade, leading_run_blocks,
-                                   shared_prefix_blocks)
+from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CASCADE_DECODE_MIN_SHARED_READS, CascadeBatch,
+                                   decode_in_cascade, leading_run_blocks, shared_prefix_blocks)
 from aaflow.engine.decode_kernel import KernelDecodeBatch, supports as decode_kernel_supports
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
@@ -43,6 +43,7 @@ class KVRunner(KVImportExport):
         # with AMX, a large batch sharing a prefix reads it once in cascade (oneDNN's tile products)
         self.kernel_decode = decode_kernel_supports(model.dtype, layout.head_dim)
         self.cascade_decode_batch = CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None
+        self.cascade_decode_min_reads = CASCADE_DECODE_MIN_SHARED_READS
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -289,7 +290,8 @@ class KVRunner(KVImportExport):
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
             batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
-        elif self.kernel_decode and not decode_in_cascade([s.block_table for s in seqs], bs, self.cascade_decode_batch):
+        elif self.kernel_decode and not decode_in_cascade([s.block_table for s in seqs], bs, self.cascade_decode_batch,
+                                                          self.cascade_decode_min_reads):
             batch = KernelDecodeBatch.build(write, contexts)
         elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
             batch = RunsDecodeBatch.build(write, contexts)

@@ -34,6 +34,13 @@ inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {  // -> [sum a
   abcd = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0xB1));
   return _mm512_castps512_ps128(abcd);  // 128-bit lane 0: a, b, c, d in that order
 }
+
+// One vector's lane sum in the order `sum_lanes4` sums each of its four (a's sum never depends on
+// b, c, d), so a product gives the same bits whether it was computed alone or in a group of four.
+inline float sum_lanes(__m512 a) {
+  const __m512 zero = _mm512_setzero_ps();
+  return _mm_cvtss_f32(sum_lanes4(a, zero, zero, zero));
+}
 #endif
 
 }  // namespace aaflow_bf16

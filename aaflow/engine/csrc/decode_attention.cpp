@@ -142,7 +142,7 @@ void scores_chunk_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slot
       }
     }
   }
-  for (; j < last; ++j) {  // the chunk's last keys, one at a time
+  for (; j < last; ++j) {  // the chunk's last keys, one at a time (summed as in a group: same bits)
     for (int64_t h = 0; h < kv_heads; ++h) {
       const uint16_t* kr = k + (slots[j] * kv_heads + h) * D;
       for (int64_t g = 0; g < group; ++g) {
@@ -150,7 +150,7 @@ void scores_chunk_bf16(const uint16_t* q, const uint16_t* k, const int64_t* slot
         const __m512 acc = _mm512_dpbf16_ps(
             _mm512_dpbf16_ps(_mm512_setzero_ps(), load_bh(q + row * D), load_bh(kr)), load_bh(q + row * D + 32),
             load_bh(kr + 32));
-        out[row * ctx + j] = float_to_bf16(_mm512_reduce_add_ps(acc));
+        out[row * ctx + j] = float_to_bf16(sum_lanes(acc));
       }
     }
   }

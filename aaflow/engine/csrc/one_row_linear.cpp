@@ -39,11 +39,11 @@ void band(const uint16_t* x, const uint16_t* w, const uint16_t* bias, int64_t K,
     _mm_storeu_ps(sums, sum_lanes4(acc[0], acc[1], acc[2], acc[3]));
     for (int r = 0; r < 4; ++r) y[n + r] = float_to_bf16(sums[r] + bias_at(bias, n + r));
   }
-  for (; n < hi; ++n) {  // the band's last rows, one at a time
+  for (; n < hi; ++n) {  // the band's last rows, one at a time (summed as in a group: same bits)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32)
       acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + n * K + k), (__m512bh)_mm512_loadu_si512(x + k));
-    y[n] = float_to_bf16(_mm512_reduce_add_ps(acc) + bias_at(bias, n));
+    y[n] = float_to_bf16(sum_lanes(acc) + bias_at(bias, n));
   }
 }
 #else
