@@ -30,10 +30,9 @@ class RayBackend(Backend):
 
     def replicas(self) -> list[ReplicaInfo]:
         info = self.cluster.info
-        return [ReplicaInfo(r.name, r.model, r.engine, info.get(r.name, {}).get("node"),
-                            info.get(r.name, {}).get("threads", 1), info.get(r.name, {}).get("kv_blocks"),
-                            info.get(r.name, {}).get("block_size", 16), info.get(r.name, {}).get("prefix_caching", True))
-                for r in self.handles.values()]
+        return [ReplicaInfo(r.name, r.model, r.engine, i.get("node"), i.get("threads", 1), i.get("kv_blocks"),
+                            i.get("block_size", 16), i.get("prefix_caching", True))
+                for r in self.handles.values() for i in [info.get(r.name, {})]]
 
     def default_transport(self) -> str:
         """The best transport every replica's engine takes (`cluster.replica_api.default_transport`)."""

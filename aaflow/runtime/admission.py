@@ -135,18 +135,14 @@ class Admission:
 
     def _reserve(self, agent: AgentState) -> None:
         """Hold `agent`'s own blocks, and its shared prefix's blocks for all its holders (the first
-        holder adds them, the last one to leave gives them back)."""
+        holder adds them, as `cost` counts; the last one to leave gives them back)."""
         replica = agent.replica
         shared = self.shared_blocks(agent, replica)
+        self.reserved[replica] += self.cost(agent, replica)
         key = (agent.prefix_key, shared) if shared else None
-        own = self.blocks(agent, replica) - shared
         if key is not None:
-            holders = self.prefix_holders.get((replica, key[0]), 0)
-            if not holders:
-                self.reserved[replica] += shared
-            self.prefix_holders[(replica, key[0])] = holders + 1
-        self.holds[agent.name] = (replica, own, key)
-        self.reserved[replica] += own
+            self.prefix_holders[(replica, key[0])] = self.prefix_holders.get((replica, key[0]), 0) + 1
+        self.holds[agent.name] = (replica, self.blocks(agent, replica) - shared, key)
 
     def _drop_holder(self, replica: str, key: tuple) -> None:
         prefix, shared = key

@@ -55,6 +55,11 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, " must be bf16 [T, width] with contiguous rows");
 }
 
+void check_weight(const torch::Tensor& weight, int64_t H) {
+  TORCH_CHECK(weight.numel() == H && weight.is_contiguous() && weight.scalar_type() == torch::kBFloat16,
+              "weight must be bf16 [H]");
+}
+
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
 
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)), as `w * F.rms_norm(x.float()).to(bf16)` rounds.
@@ -75,8 +80,7 @@ void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t H, uint16
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.numel() == H && weight.is_contiguous() && weight.scalar_type() == torch::kBFloat16,
-              "weight must be bf16 [H]");
+  check_weight(weight, H);
   auto y = torch::empty({T, H}, x.options());
   const uint16_t *xp = in_ptr(x), *wp = in_ptr(weight);
   uint16_t* yp = out_ptr(y);
@@ -94,8 +98,7 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& h, const torch::Ten
   check_rows(delta, "delta");
   TORCH_CHECK(h.sizes() == delta.sizes(), "h and delta must have one shape");
   const int64_t T = h.size(0), H = h.size(1);
-  TORCH_CHECK(weight.numel() == H && weight.is_contiguous() && weight.scalar_type() == torch::kBFloat16,
-              "weight must be bf16 [H]");
+  check_weight(weight, H);
   auto sum = torch::empty({T, H}, h.options());
   auto y = torch::empty({T, H}, h.options());
   const uint16_t *hp = in_ptr(h), *dp = in_ptr(delta), *wp = in_ptr(weight);
