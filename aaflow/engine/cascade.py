@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aaflow.engine.amx_attention import amx_attention, amx_kernel, merge_parts
 from aaflow.engine.attention import AttentionBatch, PackedBatch, run_start, write_and_gather
 from aaflow.engine.kv_cache import PagedKVCache
 
@@ -102,16 +103,17 @@ def cascade_attention(
     else:
         kp = k_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]  # [1, Hkv, P, D]
         vp = v_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]
-    kv_heads = kp.shape[1]
-    group = heads // kv_heads
-    qg = q.view(T, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * T, dim)
-    out, lse = _flash(qg, kp, vp)  # [1, Hkv, G * T, D], [1, Hkv, G * T]: every new token sees the whole prefix
-    pre_out = out.view(kv_heads, group, T, dim).permute(2, 0, 1, 3).reshape(T, heads, dim)
-    pre_lse = lse.view(kv_heads, group, T).permute(2, 0, 1).reshape(T, heads)
-    top = torch.maximum(pre_lse, rest_lse)
-    w_pre, w_rest = torch.exp(pre_lse - top)[..., None], torch.exp(rest_lse - top)[..., None]  # [T, H, 1]
-    merged = (pre_out.float() * w_pre + rest_out.float() * w_rest) / (w_pre + w_rest)
-    return merged.to(q.dtype).reshape(T, heads * dim)
+    kernel = amx_kernel(q)
+    if kernel is not None:  # every new token sees the whole prefix: offset = its length
+        pre_out, pre_lse = amx_attention(kernel, q, kp[0].transpose(0, 1), vp[0].transpose(0, 1), kp.shape[2])
+    else:
+        kv_heads = kp.shape[1]
+        group = heads // kv_heads
+        qg = q.view(T, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * T, dim)
+        out, lse = _flash(qg, kp, vp)  # [1, Hkv, G * T, D], [1, Hkv, G * T]: every new token sees the whole prefix
+        pre_out = out.view(kv_heads, group, T, dim).permute(2, 0, 1, 3).reshape(T, heads, dim)
+        pre_lse = lse.view(kv_heads, group, T).permute(2, 0, 1).reshape(T, heads)
+    return merge_parts(pre_out, pre_lse, rest_out, rest_lse).reshape(T, heads * dim)
 
 
 def _attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch):

@@ -31,8 +31,10 @@ blocks on the tile unit and tiles lose, per layer on 2 threads (bf16, SmolLM2's 
 | 70 new tokens over 2,500 | 1.2 ms | 1.7 ms |
 | 512 new tokens over 2,500 | 7.7 ms | 10.9 ms |
 
-so there bf16 prefill goes through the flash kernel (`prefill_kernel`; `AAFLOW_PREFILL_ATTENTION`
-= `flash` or `tiles` overrides the choice).
+so there bf16 prefill goes through the flash path (`prefill_kernel`; `AAFLOW_PREFILL_ATTENTION`
+= `flash` or `tiles` overrides the choice), which runs the AMX kernel of `amx_attention` for 64-dim
+heads: 2,500 causal tokens 6.7 against torch flash's 11.9 ms a layer, a 2,500-token prefill 0.53
+against 0.69 s (same process, alternated).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from aaflow.engine.amx_attention import amx_attention, amx_kernel
 from aaflow.engine.attention import run_start
 from aaflow.engine.decode_kernel import KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
@@ -102,11 +105,15 @@ def flash_prefill_attention(
     v: torch.Tensor,  # [start + T, Hkv, D]
     start: int,
 ) -> torch.Tensor:  # [T, H * D]
-    """`tiled_prefill_attention` through torch's flash kernel (fp32 scores inside). A mask makes the
+    """`tiled_prefill_attention` through the AMX kernel where it runs (`amx_attention`), else torch's
+    flash kernel (fp32 scores inside). There a mask makes the
     kernel compute the masked triangle too, so where the new tokens are at least as many as the
     keys before them, the two parts go apart: the earlier keys unmasked, the new ones causal, merged
     by their log-sum-exps (16 + 2,094 tokens: 13 against 24 ms a layer)."""
     T = q.shape[0]
+    kernel = amx_kernel(q)
+    if kernel is not None:  # one call whatever `start`: blocks past the diagonal are skipped
+        return amx_attention(kernel, q, k, v, start)[0].view(T, -1)
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, heads, n, D]
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
