@@ -33,6 +33,30 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tupl
     return statistics.median(samples), samples
 
 
+def _busy_and_total() -> tuple[int, int]:
+    """The machine's CPU ticks so far, busy and total (/proc/stat's first line; iowait counts idle)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return sum(ticks) - idle, sum(ticks)
+
+
+def wait_until_quiet(busy_below: float = 0.1, window_s: float = 0.2, timeout_s: float = 10.0) -> float:
+    """Wait until the cores are idle (busy under `busy_below` over a `window_s` window), at most
+    `timeout_s`; returns the seconds waited. A side's timed run starts only once the other side's
+    threads have stopped spinning (vLLM's keep the cores busy for a while after a batch returns)."""
+    start = time.perf_counter()
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    while time.perf_counter() - start < timeout_s:
+        busy0, total0 = _busy_and_total()
+        time.sleep(window_s)
+        busy1, total1 = _busy_and_total()
+        if total1 > total0 and (busy1 - busy0) / (total1 - total0) < busy_below:
+            break
+    return time.perf_counter() - start
+
+
 def machine_facts() -> dict:
     return {
         "platform": platform.platform(),

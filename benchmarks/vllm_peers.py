@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.baseline_engines import faster_mode, start_vllm, vllm_specs
+from benchmarks.common import wait_until_quiet
 from benchmarks.vllm_runner import VllmError
 
 
@@ -27,7 +28,12 @@ class Peers:
         self._each(lambda mode, runner: runner.run(name))
 
     def run(self, name: str) -> None:
-        self._each(lambda mode, runner: self.samples[mode][name].append(runner.run(name)))
+        """One timed run per mode, each once the cores are idle (`common.wait_until_quiet`)."""
+        def timed(mode, runner) -> None:
+            wait_until_quiet()
+            self.samples[mode][name].append(runner.run(name))
+
+        self._each(timed)
 
     def result(self) -> dict:
         """Per workflow the faster mode's median (`baseline_engines.faster_mode`), or the errors."""

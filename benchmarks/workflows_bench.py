@@ -13,7 +13,8 @@ generates `--max-tokens` tokens with ignore_eos so that all strategies do the sa
 Each runs with `text` (the baseline: text passing, prefix cache on), `text-nocache` (labelled: the
 papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency `res.wall_s`
 (medians of repeats, strategies alternated inside each repeat and their order rotated from one
-repeat to the next, so that none always runs first or after vLLM; prefix caches cleared before every
+repeat to the next, each timed run started once the cores are idle (vLLM's threads spin on after a
+batch: the aaflow strategy right after it came out up to 0.5 s slower); prefix caches cleared before every
 run; a tiny warm-up chain first, and in full mode one untimed run of each workflow), plus prompt tokens the agents prefilled and the replicas' CPU-seconds (see scaling_bench).
 Ablation (FlashAgents: streaming alone vs streaming + intra-turn sharing): 8 concurrent A->B pairs
 whose B prompts share a 2,000-token prefix (workflow_bench's `_pair_workflow`), on a cluster with
@@ -36,7 +37,8 @@ import argparse
 import statistics
 
 from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows
-from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
+from benchmarks.common import (add_dtype_argument, kv_bytes_per_token, log, machine_facts, wait_until_quiet,
+                               write_json)
 from benchmarks.scaling_bench import cold_run, context_text
 from benchmarks.vllm_peers import Peers
 
@@ -100,11 +102,13 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
     samples = {s: [] for s in strategies}
     chosen: dict[str, dict] = {}  # per strategy: what each agent ran and the run's events (auto: the plan)
     order = [*strategies, PEERS] if peers else list(strategies)
+    waited = 0.0  # the longest wait for idle cores before a timed run
     for r in range(repeats):
         for s in order[r % len(order):] + order[:r % len(order)]:  # rotated: no side always runs first
-            if s == PEERS:  # the same repeat on vLLM
+            if s == PEERS:  # the same repeat on vLLM (which waits for idle cores before each mode)
                 peers.run(key)
                 continue
+            waited = max(waited, wait_until_quiet())
             res, cpu, engine_tok = cold_run(cluster, wf, s, chunk_tokens)
             chosen[s] = {"agents": {n: a.strategy for n, a in res.agents.items()}, "events": res.events}
             row = {"wall_s": res.wall_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
@@ -124,6 +128,7 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
             out[s]["response_speedup_vs_text"] = out["text"]["response_latency_s"] / out[s]["response_latency_s"]
     for s in strategies:
         out[s]["ran"] = chosen[s]
+    log(f"{wf.name}: longest wait for idle cores before a timed run {waited:.1f} s")
     return out
 
 
