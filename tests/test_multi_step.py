@@ -100,6 +100,19 @@ def test_groups_shrink_with_the_batch_and_stop_at_the_first_budget():
         [(3, frozenset({2})), (32, frozenset())]
 
 
+def test_on_the_only_replica_agents_that_ignore_eos_step_in_groups_whatever_the_batch():
+    """Nothing can arrive before the first budget ends: no other replica, no early end."""
+    batch = [_agent(f"a{i}", ignore_eos=True) for i in range(64)]
+    readers = {a.name: [] for a in batch}
+    assert steps_per_call(batch, readers, only_replica=True) == GROUP_STEPS
+    assert steps_per_call(batch, readers, only_replica=False) == 1  # another replica's agent may end
+    batch[5].result.decoded = 29
+    assert steps_per_call(batch, readers, only_replica=True) == 3  # up to the first budget
+    batch.append(_agent("eos"))  # may end at any step: its readers must not wait for a group
+    readers["eos"] = []
+    assert steps_per_call(batch, readers, only_replica=True) == 1
+
+
 def test_an_agent_feeding_a_streaming_reader_steps_one_token_per_call():
     reader = _agent("b")
     reader.state = "open"

@@ -10,6 +10,8 @@ bf16 before the product with V, as flash rounds them. `AAFLOW_AMX_ATTENTION=0` k
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from aaflow.engine.native_build import NativeModule
@@ -26,7 +28,14 @@ def amx_kernel(q: torch.Tensor):
     else None."""
     if q.dtype != torch.bfloat16 or q.shape[-1] != HEAD_DIM or matrix_isa() != "amx":
         return None
-    return AMX.load()
+    module = AMX.load()
+    return module if module is not None and _granted(module) else None
+
+
+@functools.cache
+def _granted(module) -> bool:
+    """Linux hands out AMX state per process, on request; refused, the engine keeps torch's flash."""
+    return bool(module.ready())
 
 
 def amx_attention(

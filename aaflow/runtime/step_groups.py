@@ -20,15 +20,20 @@ GROUP_TOKENS = 32  # tokens a group of steps decodes at most, over all its sessi
 GROUP_STEPS = 8  # steps a group runs at most
 
 
-def steps_per_call(decoding: list, streaming_readers: dict) -> int:
+def steps_per_call(decoding: list, streaming_readers: dict, only_replica: bool = False) -> int:
     """Decode steps the next call of a replica may run for `decoding`, its decoding agents (none
-    with a prompt segment queued)."""
-    if len(decoding) >= GROUP_TOKENS:
-        return 1
+    with a prompt segment queued). On the `only_replica` of a run, when every decoding agent
+    ignores end-of-sequence, nothing can reach the replica before the first of them reaches its
+    budget (no other replica's agent can end, none of these ends early), so the group runs up to
+    that point, at most `GROUP_STEPS` steps, whatever the batch."""
     for agent in decoding:
         if any(reader.state != "done" for reader in streaming_readers[agent.name]):
             return 1
     budget = min(agent.max_tokens - agent.result.decoded for agent in decoding)
+    if only_replica and all(agent.ignore_eos for agent in decoding):
+        return max(1, min(budget, GROUP_STEPS))
+    if len(decoding) >= GROUP_TOKENS:
+        return 1
     return max(1, min(budget, GROUP_STEPS, GROUP_TOKENS // len(decoding)))
 
 

@@ -280,4 +280,5 @@ std::vector<torch::Tensor> attention(torch::Tensor q, torch::Tensor k, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal bf16 attention on AMX tiles -> (out [T, H, 64], lse [H, T])");
+  m.def("ready", &request_amx, "whether Linux granted this process AMX state (asked once)");
 }
