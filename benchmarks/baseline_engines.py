@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import log
+from benchmarks.common import log, wait_until_quiet
 from benchmarks.vllm_runner import VLLM_PYTHON, VllmError, VllmRunner
 
 
@@ -89,10 +89,16 @@ def vllm_workflows(workflows: dict, repeats: int, timeout_s: float, modes=("eage
     for mode in modes:
         try:
             with start_vllm(specs, mode, timeout_s) as vllm:
-                samples[mode] = {name: [vllm.run(name) for _ in range(repeats + 1)][1:] for name in workflows}
+                samples[mode] = {name: [_on_idle_cores(vllm, name) for _ in range(repeats + 1)][1:] for name in workflows}
         except VllmError as exc:
             errors.append(f"{mode}: {exc}")
     return faster_mode(samples) if samples else {"error": "; ".join(errors)}
+
+
+def _on_idle_cores(vllm, name: str) -> float:
+    """One timed run once the cores are idle: vLLM's threads spin ~1 s after a batch returns."""
+    wait_until_quiet()
+    return vllm.run(name)
 
 
 def transformers_workflows(workflows: dict, repeats: int, dtype: str = "bfloat16", threads: int = 2) -> dict:
