@@ -10,7 +10,8 @@ end). So a group is sent only when the replica's queue is empty and no decoding 
 streaming reader (those want each chunk as soon as it is decoded); it decodes at most
 `GROUP_TOKENS` tokens in all and `GROUP_STEPS` steps (a small batch, whose steps are short and
 whose round trips weigh most, gets the longest groups; a batch of `GROUP_TOKENS / 2` sessions or
-more steps once per call) and never runs past the first agent's budget (its end frees its readers at once). The count depends on the
+more steps once per call, except on a run's only replica when every agent ignores end-of-sequence:
+see `steps_per_call`) and never runs past the first agent's budget (its end frees its readers at once). The count depends on the
 schedule's state only, not on measured times, so a run and its simulation issue the same calls.
 """
 
