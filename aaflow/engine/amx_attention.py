@@ -53,10 +53,10 @@ def amx_attention(
 
 
 def merge_parts(
-    out_a: torch.Tensor, lse_a: torch.Tensor,  # [T, H, D], [T, H]: attention over one set of keys
+    out_a: torch.Tensor, lse_a: torch.Tensor,  # [..., D], [...] (e.g. [T, H]): attention over one set of keys
     out_b: torch.Tensor, lse_b: torch.Tensor,  # the same queries over a disjoint set
-) -> torch.Tensor:  # [T, H, D] in out_a's dtype: attention over the union (a softmax over both sets)
+) -> torch.Tensor:  # [..., D] in out_a's dtype: attention over the union (a softmax over both sets)
     """Two partial attentions merged exactly through their log-sum-exps."""
     top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]  # [T, H, 1]
+    w_a, w_b = (lse_a - top).exp()[..., None], (lse_b - top).exp()[..., None]  # [..., 1]
     return ((out_a.float() * w_a + out_b.float() * w_b) / (w_a + w_b)).to(out_a.dtype)

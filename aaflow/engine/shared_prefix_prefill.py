@@ -55,11 +55,8 @@ def shared_prefix_attention(
         allowed = torch.arange(own)[None, :] <= (start - shared + torch.arange(T))[:, None]  # [T, own]
         mask = torch.zeros(T, own, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))[None, None]
         own_out, own_lse = _flash(q.transpose(0, 1)[None], expand(k), expand(v), 0.0, False, attn_mask=mask)
-        p_out, p_lse = prefix_out[:, :, row:row + T], prefix_lse[:, :, row:row + T]
-        top = torch.maximum(p_lse, own_lse)
-        w_prefix, w_own = (p_lse - top).exp()[..., None], (own_lse - top).exp()[..., None]  # [1, H, T, 1]
-        merged = (p_out.float() * w_prefix + own_out.float() * w_own) / (w_prefix + w_own)  # [1, H, T, D]
-        outs.append(merged.to(q.dtype)[0].transpose(0, 1).reshape(T, -1))
+        merged = merge_parts(prefix_out[:, :, row:row + T], prefix_lse[:, :, row:row + T], own_out, own_lse)  # [1, H, T, D]
+        outs.append(merged[0].transpose(0, 1).reshape(T, -1))
         row += T
     return outs
 

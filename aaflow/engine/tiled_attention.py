@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from aaflow.engine.amx_attention import amx_attention, amx_kernel
+from aaflow.engine.amx_attention import amx_attention, amx_kernel, merge_parts
 from aaflow.engine.attention import run_start
 from aaflow.engine.decode_kernel import KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
@@ -138,9 +138,7 @@ def _causal_after_prefix(
     expand = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731  [1, Hkv, n, D] -> [1, H, n, D]
     before, lse_before = flash(qh, expand(kh[:, :, :start]), expand(vh[:, :, :start]), 0.0, False)
     new, lse_new = flash(qh, expand(kh[:, :, start:]), expand(vh[:, :, start:]), 0.0, True)
-    top = torch.maximum(lse_before, lse_new)
-    w_before, w_new = (lse_before - top).exp()[..., None], (lse_new - top).exp()[..., None]  # [1, H, T, 1]
-    return ((before.float() * w_before + new.float() * w_new) / (w_before + w_new)).to(qh.dtype)
+    return merge_parts(before, lse_before, new, lse_new)
 
 
 @dataclass
