@@ -16,6 +16,7 @@ import torch
 
 from aaflow.engine.amx_attention import amx_attention, amx_kernel, merge_parts
 from aaflow.engine.attention import AttentionBatch, PackedBatch, run_start, write_and_gather
+from aaflow.engine.decode_kernel import KernelDecodeBatch, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
 
 # The second attention pass and the merge pay off once the prefix reads they save (shared tokens x
@@ -29,17 +30,18 @@ CASCADE_MIN_SAVED_TOKENS = 1536
 # context in one run needs no mask and reads it in place in one pass (~10% faster than split).
 SPLIT_MIN_RUN_TOKENS = 512
 # With AMX, a decode step of this many sequences or more that share a prefix runs faster in cascade
-# (the prefix's scores for every sequence in one oneDNN product per kv head) than in the kernel,
-# whose AVX512-BF16 dot products are the bound (SmolLM2 bf16, 2,000 shared + 100 own tokens each,
-# 2 threads, ms a step, kernel / cascade: 3 seqs 38 / 42, 8 51 / 50, 12 58 / 52, 32 100 / 69,
-# 64 176 / 102). On an AMD EPYC's AVX512-BF16 the kernel won at 12 (45-71 against 72-90 ms).
-CASCADE_DECODE_MIN_BATCH = 12
-# ... and once the shared prefix is long: its tokens x the sequences reach this. Below, the kernel
-# (each key's row read once, prefetched) wins even at 64 sequences. ms a step, kernel / cascade,
-# same setup, shared + own tokens: 64 x (48 + 60) 49-53 / 57-61, 64 x (48 + 110) 54 / 66-70,
-# 64 x (256 + 100) 62-64 / 69, 64 x (512 + 100) 76-77 / 70-75, 16 x (2,000 + 60) 55 / 49,
-# 64 x (2,000 + 100) 148-152 / 89-91.
-CASCADE_DECODE_MIN_SHARED_READS = 32768
+# (the prefix attended once per kv head on AMX tiles for every sequence's query heads; each rest and
+# the merge in the decode kernel) than in the kernel alone, whose AVX512-BF16 dot products read the
+# prefix once per sequence. SmolLM2 bf16, 2 threads, Xeon with AMX, ms a step, kernel / cascade,
+# shared + own tokens: 3 x (2,000 + 100) 25 / 30, 4 x (1,000 + 100) 23 / 25, 8 x (500 + 50) 22 / 23,
+# 8 x (1,000 + 100) 27 / 28, 8 x (1,500 + 100) 31 / 30, 8 x (2,000 + 100) 34 / 32,
+# 12 x (3,000 + 80) 54 / 43, 64 x (2,000 + 100) 143 / 66. On an AMD EPYC's AVX512-BF16 (no AMX:
+# torch's flash for the prefix) the kernel won at 12 (45-71 against 72-90 ms): cascade stays off there.
+CASCADE_DECODE_MIN_BATCH = 8
+# ... and once the shared prefix is long: its tokens x the sequences reach this. Same setup:
+# 12 x (500 + 50) 24 / 24, 16 x (500 + 50) 28 / 26, 24 x (400 + 60) 35 / 32, 32 x (256 + 100) 38 / 35,
+# 64 x (48 + 60) 40 / 41, 64 x (128 + 60) 44 / 42, 64 x (256 + 100) 56 / 49.
+CASCADE_DECODE_MIN_SHARED_READS = 8192
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
 
@@ -50,7 +52,7 @@ class CascadeBatch:
     the same new tokens over their contexts without that prefix."""
 
     prefix_slots: torch.Tensor  # [P]
-    rest: AttentionBatch | PackedBatch
+    rest: AttentionBatch | PackedBatch | KernelDecodeBatch  # the kernel's: a decode step, merged in the kernel
     prefix_start: int | None = field(init=False)  # the prefix is one run of slots starting here: read in place
 
     def __post_init__(self) -> None:
@@ -95,25 +97,37 @@ def cascade_attention(
     batch: CascadeBatch,
 ) -> torch.Tensor:  # [T, H * D]
     T, heads, dim = q.shape
+    if isinstance(batch.rest, KernelDecodeBatch):  # the kernel attends the rest and merges the prefix's part
+        cache.write(layer, batch.rest.write_slots, k, v)
+        prefix = _attend_prefix(q, cache.layer(layer), batch)
+        return kernel_attention(q, *cache.layer(layer), batch.rest.reads, other=prefix)
     rest_out, rest_lse = _attend_with_lse(layer, q, k, v, cache, batch.rest)  # [T, H, D], [T, H]
-    k_cache, v_cache = cache.layer(layer)
+    pre_out, pre_lse = _attend_prefix(q, cache.layer(layer), batch)
+    return merge_parts(pre_out, pre_lse, rest_out, rest_lse).reshape(T, heads * dim)
+
+
+def _attend_prefix(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], batch: CascadeBatch):
+    """Every query over the whole shared prefix, GQA groups folded into the query axis (one pass
+    over each kv head's keys for all its query heads): (out [T, H, D] bf16, lse [T, H] fp32)."""
+    T, heads, dim = q.shape
+    k_cache, v_cache = caches
     if batch.prefix_start is not None:  # views of the pool: no copy
         first, n = batch.prefix_start, batch.prefix_slots.numel()
-        kp, vp = k_cache[first:first + n].transpose(0, 1)[None], v_cache[first:first + n].transpose(0, 1)[None]
+        kp, vp = k_cache[first:first + n], v_cache[first:first + n]  # [P, Hkv, D]
     else:
-        kp = k_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]  # [1, Hkv, P, D]
-        vp = v_cache.index_select(0, batch.prefix_slots).transpose(0, 1)[None]
+        kp, vp = k_cache.index_select(0, batch.prefix_slots), v_cache.index_select(0, batch.prefix_slots)
+    kv_heads = kp.shape[1]
+    group = heads // kv_heads
     kernel = amx_kernel(q)
-    if kernel is not None:  # every new token sees the whole prefix: offset = its length
-        pre_out, pre_lse = amx_attention(kernel, q, kp[0].transpose(0, 1), vp[0].transpose(0, 1), kp.shape[2])
-    else:
-        kv_heads = kp.shape[1]
-        group = heads // kv_heads
-        qg = q.view(T, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * T, dim)
-        out, lse = _flash(qg, kp, vp)  # [1, Hkv, G * T, D], [1, Hkv, G * T]: every new token sees the whole prefix
-        pre_out = out.view(kv_heads, group, T, dim).permute(2, 0, 1, 3).reshape(T, heads, dim)
-        pre_lse = lse.view(kv_heads, group, T).permute(2, 0, 1).reshape(T, heads)
-    return merge_parts(pre_out, pre_lse, rest_out, rest_lse).reshape(T, heads * dim)
+    if kernel is not None:  # rows t * G + g of kv head h are query head h * G + g; all see the whole prefix
+        qg = q.view(T, kv_heads, group, dim).transpose(1, 2).reshape(T * group, kv_heads, dim)
+        out, lse = amx_attention(kernel, qg, kp, vp, kp.shape[0])  # [T * G, Hkv, D], [T * G, Hkv]
+        return (out.view(T, group, kv_heads, dim).transpose(1, 2).reshape(T, heads, dim),
+                lse.reshape(T, group, kv_heads).transpose(1, 2).reshape(T, heads))
+    qg = q.view(T, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * T, dim)
+    out, lse = _flash(qg, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None])  # [1, Hkv, G * T, D], [1, Hkv, G * T]
+    return (out.view(kv_heads, group, T, dim).permute(2, 0, 1, 3).reshape(T, heads, dim),
+            lse.view(kv_heads, group, T).permute(2, 0, 1).reshape(T, heads))
 
 
 def _attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch):

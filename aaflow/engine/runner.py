@@ -299,6 +299,8 @@ class KVRunner(KVImportExport):
             shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
             if self.run_decode and not shared:
                 batch = GatheredDecodeBatch.build(write, contexts)
+            elif shared and self.kernel_decode:  # the kernel attends each rest and merges the prefix's part
+                batch = CascadeBatch(contexts[0][:shared], KernelDecodeBatch.build(write, [c[shared:] for c in contexts]))
             else:
                 batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
                 if shared:

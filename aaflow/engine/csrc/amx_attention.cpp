@@ -25,7 +25,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "simd_exp.h"
+
 namespace {
+
+using aaflow_simd::exp2_neg;
+using aaflow_simd::first_lanes;
 
 constexpr int kDim = 64;        // head_dim: two 32-wide bf16 steps of a tile
 constexpr int kRows = 16;       // query rows of a task (a tile's rows)
@@ -53,27 +58,6 @@ bool request_amx() {  // Linux hands out AMX state only on request (once per pro
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
-}
-
-// 2^x for x <= 0: x = n + f, f in [-0.5, 0.5], 2^f by a degree-6 polynomial. Clamped at -126 (the
-// smallest normal; below it the CPU would take slow denormal assists), so masked keys are zeroed by
-// their callers, not here.
-inline __m512 exp2_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 visible_lanes(int64_t left) {  // the first `left` of 16 lanes
-  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
 // K of one kv head as QK^T's B tiles: per 16 keys, two tiles (dims 0-31, 32-63), each 16 rows of
@@ -178,7 +162,7 @@ void run_task(const Task& task) {
       __m512 vmax = _mm512_set1_ps(-INFINITY);
       for (int j = 0; j < width; j += 16) {
         __m512 s = _mm512_loadu_ps(srow + j);
-        if (!whole) s = _mm512_mask_blend_ps(visible_lanes(limit[i] - base - j), _mm512_set1_ps(-INFINITY), s);
+        if (!whole) s = _mm512_mask_blend_ps(first_lanes(limit[i] - base - j), _mm512_set1_ps(-INFINITY), s);
         vmax = _mm512_max_ps(vmax, s);
       }
       block_max[i] = _mm512_reduce_max_ps(vmax);
@@ -193,7 +177,7 @@ void run_task(const Task& task) {
       __m512 vsum = _mm512_setzero_ps();
       for (int j = 0; j < width; j += 16) {
         __m512 p = exp2_neg(_mm512_fmadd_ps(_mm512_loadu_ps(srow + j), vc, shift));
-        if (!whole) p = _mm512_maskz_mov_ps(visible_lanes(limit[i] - base - j), p);
+        if (!whole) p = _mm512_maskz_mov_ps(first_lanes(limit[i] - base - j), p);
         vsum = _mm512_add_ps(vsum, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + i * kBlockKeys + j), (__m256i)_mm512_cvtneps_pbh(p));
       }
