@@ -11,7 +11,9 @@ generates `--max-tokens` tokens with ignore_eos so that all strategies do the sa
   (d) A->B pairs (`--pairs`, default 1, 8 and 64): each B reads a 2,000-token system prompt and
       its A's output.
 Each runs with `text` (the baseline: text passing, prefix cache on), `text-nocache` (labelled: the
-papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency `res.wall_s`
+papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency, the whole
+`af.run` call (`res.total_s`: prompts tokenized, auto's planning, the run; vLLM's side times its
+chat templates, tokenization and generate calls likewise), `res.wall_s` (the run alone) beside it
 (medians of repeats, strategies alternated inside each repeat and their order rotated from one
 repeat to the next, each timed run started once the cores are idle (vLLM's threads spin on after a
 batch: the aaflow strategy right after it came out up to 0.5 s slower); prefix caches cleared before every
@@ -111,7 +113,7 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
             waited = max(waited, wait_until_quiet())
             res, cpu, engine_tok = cold_run(cluster, wf, s, chunk_tokens)
             chosen[s] = {"agents": {n: a.strategy for n, a in res.agents.items()}, "events": res.events}
-            row = {"wall_s": res.wall_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
+            row = {"wall_s": res.total_s, "run_s": res.wall_s, "planning_s": res.planning_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
                    "engine_tokens_computed": engine_tok}
             pairs = [n[1:] for n in res.agents if n.startswith("B")]
             if pairs:  # A->B pairs: downstream response latency

@@ -129,8 +129,31 @@ def test_shared_prefix_is_computed_once_not_once_per_agent(tiny_cluster, strateg
     else:
         if strategy == "auto":
             assert any(e.startswith("planner (") for e in res.events) and res.metrics["planning_s"] > 0
+            assert res.total_s >= res.wall_s + res.planning_s, "end to end: the planning and the run"
         assert computed <= 2 * prefix + sum(prompts) - 6 * (prefix - 2 * 16) + decode_steps
         assert res.metrics["prefill_reused"] >= 4 * (len(DOC.encode()) // 16 * 16 - 16)
+
+
+def test_a_context_read_by_many_agents_is_tokenized_once_per_run(tiny_cluster):
+    """A run's prompt builder memoizes its texts: six agents over one document tokenize it once
+    (and get the same ids as tokenizing it alone); the run's end-to-end time (`total_s`) covers
+    the run's own wall time."""
+    from aaflow.runtime import _builders
+
+    cluster, model = tiny_cluster
+    builder = _builders({model})[0][model]
+    encoded = []
+    encode = builder.tokenizer.encode
+    builder.tokenizer.encode = lambda text, **kw: encoded.append(text) or encode(text, **kw)
+    try:
+        wf = _questions_on_doc(model, 6)
+        firsts = {builder.segments(wf, agent)[0] for agent in wf.agents()}
+    finally:
+        del builder.tokenizer.encode
+    assert encoded.count(DOC) == 1 and len(firsts) == 1
+    assert tuple(encode(DOC, add_special_tokens=False)) == builder._ids(DOC)
+    res = af.run(wf, cluster, strategy="text")
+    assert res.total_s >= res.wall_s > 0
 
 
 def test_kv_operator_nodes_share_place_and_evict(tiny_cluster):

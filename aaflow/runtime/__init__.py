@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from aaflow.errors import AAFlowError, WorkflowError
@@ -15,20 +16,28 @@ __all__ = ["AgentFailedError", "AgentResult", "RunResult", "run"]
 
 
 def _builders(models: set[str]) -> tuple[dict, dict, dict]:
+    """Per model: a prompt builder (fresh: its tokenization memo lasts one run), its end-of-sequence
+    token ids and its position limit."""
+    builders, eos, limits = {}, {}, {}
+    for model in models:
+        tokenizer, eos[model], limits[model] = _model_text(model)
+        builders[model] = PromptBuilder(tokenizer)
+    return builders, eos, limits
+
+
+@functools.lru_cache(maxsize=16)
+def _model_text(model: str) -> tuple[object, set[int], int]:
+    """A model's tokenizer (loaded once per process, like the replicas' weights: ~0.35 s each),
+    end-of-sequence ids and position limit."""
     from transformers import AutoTokenizer
 
     from aaflow.engine.config import ModelConfig
     from aaflow.models import resolve_model_path
 
-    builders, eos, limits = {}, {}, {}
-    for model in models:
-        folder = resolve_model_path(model, quiet=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        config = ModelConfig.from_folder(folder)
-        builders[model] = PromptBuilder(tokenizer)
-        eos[model] = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
-        limits[model] = config.max_position_embeddings
-    return builders, eos, limits
+    folder = resolve_model_path(model, quiet=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    config = ModelConfig.from_folder(folder)
+    return tokenizer, set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None}), config.max_position_embeddings
 
 
 def _check_sizes(wf, builders, limits, cluster=None) -> None:
@@ -79,6 +88,7 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
         on_token: called as `on_token(agent, token_id)` for each token as it is decoded (streaming).
         on_agent: called as `on_agent(agent, text)` as each agent finishes.
     """
+    called = time.perf_counter()
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
     builders, eos, limits = _builders({a.model for a in workflow.agents()})
@@ -104,4 +114,5 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
                      call_timeout_s=call_timeout_s, transport=transport, lend_cores=lend_cores, on_token=on_token,
                      on_agent=on_agent)
     result.planning_s = planning_s
+    result.total_s = time.perf_counter() - called
     return result

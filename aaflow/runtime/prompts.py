@@ -32,18 +32,28 @@ class PromptBuilder:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.separator = tuple(self._ids("\n\n"))
+        self._memo: dict[str, tuple[int, ...]] = {}  # a context read by many agents is tokenized once
+        self._frames: dict[str | None, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.separator = self._ids("\n\n")
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _ids(self, text: str) -> tuple[int, ...]:
+        ids = self._memo.get(text)
+        if ids is None:
+            ids = self._memo[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids
 
     def frame(self, system: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Token ids before and after the user message in the model's chat template."""
+        if system not in self._frames:
+            self._frames[system] = self._frame(system)
+        return self._frames[system]
+
+    def _frame(self, system: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": _PLACEHOLDER}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         head, tail = text.split(_PLACEHOLDER)
-        return tuple(self._ids(head)), tuple(self._ids(tail))
+        return self._ids(head), self._ids(tail)
 
     def segments(self, wf: Workflow, agent: AgentNode) -> list[Segment]:
         """The agent's prompt as segments. The first is the shareable prefix: the chat header and
@@ -55,14 +65,14 @@ class PromptBuilder:
             is_context = isinstance(part, ContextNode)
             shared = shared and is_context
             if shared:
-                out[0] = out[0] + (self.separator if i else ()) + tuple(self._ids(part.text))
+                out[0] = out[0] + (self.separator if i else ()) + self._ids(part.text)
                 continue
             if i:
                 out.append(self.separator)
             if isinstance(part, str):
-                out.append(tuple(self._ids(part)))
+                out.append(self._ids(part))
             elif is_context:
-                out.append(tuple(self._ids(part.text)))
+                out.append(self._ids(part.text))
             else:
                 out.append(AgentInput(part.name))
         out.append(tail)

@@ -43,6 +43,7 @@ class RunResult:
     events: list[str] = field(default_factory=list)
     shared_prefill_computed: int = 0  # tokens computed once to materialize prefixes that agents share
     planning_s: float = 0.0  # spent planning before the run (strategy "auto" without a given plan; not in wall_s)
+    total_s: float = 0.0  # the whole `af.run` call: prompts tokenized, planning, the run (end to end, as a user waits)
 
     def __getitem__(self, name: str) -> AgentResult:
         return self.agents[name]
@@ -55,6 +56,7 @@ class RunResult:
             row.pop("text")
         return {
             "workflow": self.workflow, "strategy": self.strategy, "wall_s": self.wall_s, "planning_s": self.planning_s,
+            "total_s": self.total_s,
             "prefill_computed": sum(a.prefill_computed for a in self.agents.values()) + self.shared_prefill_computed,
             "shared_prefill_computed": self.shared_prefill_computed,
             "prefill_reused": sum(a.prefill_reused for a in self.agents.values()),
