@@ -65,10 +65,6 @@ class KernelDecodeBatch:
     write_slots: torch.Tensor  # [B]
     reads: KernelReads  # one row per sequence
 
-    @classmethod
-    def build(cls, write_slots: torch.Tensor, contexts: list[torch.Tensor]) -> "KernelDecodeBatch":
-        """contexts[b]: [len_b] slots of sequence b's context, its new token's included."""
-        return cls(write_slots, KernelReads.of(contexts))
 
 
 def kernel_attention(

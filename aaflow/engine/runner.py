@@ -13,14 +13,14 @@ from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
 from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CASCADE_DECODE_MIN_SHARED_READS, CascadeBatch,
                                    decode_in_cascade, leading_run_blocks, shared_prefix_blocks)
-from aaflow.engine.decode_kernel import KernelDecodeBatch, supports as decode_kernel_supports
+from aaflow.engine.decode_kernel import KernelDecodeBatch, KernelReads, supports as decode_kernel_supports
 from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
 from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
 from aaflow.engine.kv_io import KVImportExport
-from aaflow.engine.sequence import Sequence
+from aaflow.engine.sequence import Sequence, padded_slots
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
 from aaflow.machine import matrix_isa
 
@@ -285,14 +285,16 @@ class KVRunner(KVImportExport):
         bs = self.layout.block_size
         for seq in seqs:
             self._grow(seq, 1)
-        contexts = [seq.slots(0, len(seq) + 1, bs) for seq in seqs]
-        write = torch.stack([c[-1] for c in contexts])
+        lengths = [len(seq) + 1 for seq in seqs]  # each context, its new token's included
+        slots = padded_slots(seqs, lengths, bs)  # [B, max(lengths)]
+        contexts = [row[:n] for row, n in zip(slots, lengths)]
+        write = slots[torch.arange(len(seqs)), torch.tensor(lengths) - 1]  # [B]
         positions = torch.tensor([len(seq) for seq in seqs])
         if self.model.deterministic:
             batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
         elif self.kernel_decode and not decode_in_cascade([s.block_table for s in seqs], bs, self.cascade_decode_batch,
                                                           self.cascade_decode_min_reads):
-            batch = KernelDecodeBatch.build(write, contexts)
+            batch = KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
         elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
             batch = RunsDecodeBatch.build(write, contexts)
         else:
@@ -300,7 +302,8 @@ class KVRunner(KVImportExport):
             if self.run_decode and not shared:
                 batch = GatheredDecodeBatch.build(write, contexts)
             elif shared and self.kernel_decode:  # the kernel attends each rest and merges the prefix's part
-                batch = CascadeBatch(contexts[0][:shared], KernelDecodeBatch.build(write, [c[shared:] for c in contexts]))
+                rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
+                batch = CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
             else:
                 batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
                 if shared:

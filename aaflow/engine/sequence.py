@@ -28,6 +28,19 @@ class Sequence:
         return table[pos // block_size] * block_size + pos % block_size
 
 
+def padded_slots(seqs: list[Sequence], lengths: list[int], block_size: int) -> torch.Tensor:
+    """Pool slots of positions [0, lengths[b]) of each sequence in one padded row (slot 0 past a
+    row's length): [B, max(lengths)] int64, built at once (a decode step of 64 sequences spent
+    ~2 ms in one `slots` call per sequence)."""
+    width = max(lengths)
+    blocks = -(-width // block_size)
+    table = torch.tensor([s.block_table[:blocks] + [0] * (blocks - len(s.block_table[:blocks])) for s in seqs],
+                         dtype=torch.long)  # [B, blocks]
+    pos = torch.arange(width)
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # [B, width]
+    return slots.masked_fill_(pos >= torch.tensor(lengths)[:, None], 0)
+
+
 @dataclass(frozen=True)
 class KVExport:
     """A sequence's KV as one contiguous tensor, ready for a transport or a file.
