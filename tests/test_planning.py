@@ -99,3 +99,23 @@ def test_cli_plan_projects_a_yaml_workflow(calibrated, tmp_path):
                            "--link", "100Gbps", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "PROJECTION" in proc.stdout and set(json.loads(out.read_text())["decisions"]) == {"a", "b"}
+
+
+def test_a_workflow_planned_again_reuses_its_plan_and_a_changed_one_is_planned_anew(calibrated):
+    """The search is deterministic in its inputs, so the same workflow on the same cluster and
+    profile gets its earlier plan back (af.run on "auto" pays the search once per workflow); any
+    change to the prompts' token counts, the cluster or the profile plans again."""
+    _, model, _, _ = calibrated
+
+    def reviews(doc: str):
+        wf = af.Workflow("reviews")
+        paper = wf.context("paper", doc)
+        revs = [wf.agent(f"r{i}", model, [paper, f"Review aspect {i}."], max_tokens=10) for i in range(3)]
+        wf.agent("meta", model, [paper, *revs, "Meta-review."], max_tokens=10)
+        return wf
+
+    first = af.plan(reviews(DOC), {model: 2}, hardware="a100-80gb", link="25Gbps")
+    assert af.plan(reviews(DOC), {model: 2}, hardware="a100-80gb", link="25Gbps") is first
+    assert af.plan(reviews(DOC), {model: 3}, hardware="a100-80gb", link="25Gbps") is not first
+    assert af.plan(reviews(DOC), {model: 2}, hardware="a100-80gb", link="100Gbps") is not first
+    assert af.plan(reviews(DOC + " One more sentence."), {model: 2}, hardware="a100-80gb", link="25Gbps") is not first

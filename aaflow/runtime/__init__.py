@@ -80,8 +80,9 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
         transport: KV transport between replicas ("ray", "nixl", "ucx", or an emulated link such as
             "ray@10Gbps"); default: the best available here that every replica takes
             (`cluster.replica_api.default_transport`, the default of `af.transfer` too).
-        plan: a `Plan` from `af.plan` to follow under "auto" (default: plan now; this machine's
-            profile is calibrated on first use). If planning fails, auto falls back to its
+        plan: a `Plan` from `af.plan` to follow under "auto" (default: plan now, or reuse the plan
+            this process made for the same prompts, cluster and profile; this machine's profile is
+            calibrated on first use). If planning fails, auto falls back to its
             documented rule and says so in `events`.
         lend_cores: a long prefill sent while the other built-in replicas of its node idle runs
             on their threads too (`aaflow.runtime.core_lending`; each loan is in `events`).
