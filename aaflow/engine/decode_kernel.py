@@ -66,7 +66,6 @@ class KernelDecodeBatch:
     reads: KernelReads  # one row per sequence
 
 
-
 def kernel_attention(
     q: torch.Tensor,  # [N, H, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D], every row's keys already written

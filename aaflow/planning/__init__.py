@@ -9,6 +9,7 @@ profile by name for a projection (`hardware="a100-80gb"`), always labelled as su
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -167,11 +168,13 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
                         block_tokens=min(blocks, default=DEFAULT_BLOCK_TOKENS))
     models = model_profiles(infos)
     key = repr((spec, cspec, profile, models))  # everything the search reads: the same plan comes out
-    plan = _PLANS.pop(key, None) or plan_workflow(spec, cspec, profile, models,
-                                                  call_overhead_s=profile.call_overhead_s or 0.002)
-    _PLANS[key] = plan  # the most recent last
-    while len(_PLANS) > PLAN_MEMO_SIZE:
-        _PLANS.pop(next(iter(_PLANS)))
+    with _PLANS_LOCK:
+        plan = _PLANS.pop(key, None)
+    plan = plan or plan_workflow(spec, cspec, profile, models, call_overhead_s=profile.call_overhead_s or 0.002)
+    with _PLANS_LOCK:  # runs from several threads share the memo
+        _PLANS[key] = plan  # the most recent last
+        while len(_PLANS) > PLAN_MEMO_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
     return plan
 
 
@@ -180,3 +183,4 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
 # a search took 0.03-0.4 s on the bench's workflows, 5% of an 8-pair A->B run).
 PLAN_MEMO_SIZE = 16
 _PLANS: dict[str, object] = {}
+_PLANS_LOCK = threading.Lock()

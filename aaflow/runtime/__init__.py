@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 from aaflow.errors import AAFlowError, WorkflowError
@@ -20,15 +21,15 @@ def _builders(models: set[str]) -> tuple[dict, dict, dict]:
     token ids and its position limit."""
     builders, eos, limits = {}, {}, {}
     for model in models:
-        tokenizer, eos[model], limits[model] = _model_text(model)
-        builders[model] = PromptBuilder(tokenizer)
+        tokenizer, lock, eos[model], limits[model] = _model_text(model)
+        builders[model] = PromptBuilder(tokenizer, lock)
     return builders, eos, limits
 
 
 @functools.lru_cache(maxsize=16)
-def _model_text(model: str) -> tuple[object, set[int], int]:
-    """A model's tokenizer (loaded once per process, like the replicas' weights: ~0.35 s each),
-    end-of-sequence ids and position limit."""
+def _model_text(model: str) -> tuple[object, threading.Lock, set[int], int]:
+    """A model's tokenizer (loaded once per process, like the replicas' weights: ~0.35 s each), the
+    lock its callers share (runs from several threads use it), end-of-sequence ids and position limit."""
     from transformers import AutoTokenizer
 
     from aaflow.engine.config import ModelConfig
@@ -37,7 +38,8 @@ def _model_text(model: str) -> tuple[object, set[int], int]:
     folder = resolve_model_path(model, quiet=True)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     config = ModelConfig.from_folder(folder)
-    return tokenizer, set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None}), config.max_position_embeddings
+    eos = set(config.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+    return tokenizer, threading.Lock(), eos, config.max_position_embeddings
 
 
 def _check_sizes(wf, builders, limits, cluster=None) -> None:

@@ -8,6 +8,7 @@ blank line; the chat template's user/assistant framing wraps them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Union
 
@@ -30,8 +31,9 @@ Segment = Union[tuple[int, ...], AgentInput]
 class PromptBuilder:
     """Tokenizes prompt pieces for one model (a Hugging Face tokenizer with a chat template)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, lock: threading.Lock | None = None) -> None:
         self.tokenizer = tokenizer
+        self._lock = lock or threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         self._memo: dict[str, tuple[int, ...]] = {}  # a context read by many agents is tokenized once
         self._frames: dict[str | None, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.separator = self._ids("\n\n")
@@ -39,7 +41,8 @@ class PromptBuilder:
     def _ids(self, text: str) -> tuple[int, ...]:
         ids = self._memo.get(text)
         if ids is None:
-            ids = self._memo[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            with self._lock:
+                ids = self._memo[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
         return ids
 
     def frame(self, system: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -51,7 +54,8 @@ class PromptBuilder:
     def _frame(self, system: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": _PLACEHOLDER}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         head, tail = text.split(_PLACEHOLDER)
         return self._ids(head), self._ids(tail)
 
