@@ -113,8 +113,8 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
             waited = max(waited, wait_until_quiet())
             res, cpu, engine_tok = cold_run(cluster, wf, s, chunk_tokens)
             chosen[s] = {"agents": {n: a.strategy for n, a in res.agents.items()}, "events": res.events}
-            row = {"wall_s": res.total_s, "run_s": res.wall_s, "planning_s": res.planning_s, "cpu_s": cpu, "prefill_computed": res.metrics["prefill_computed"],
-                   "engine_tokens_computed": engine_tok}
+            row = {"wall_s": res.total_s, "run_s": res.wall_s, "planning_s": res.planning_s, "cpu_s": cpu,
+                   "prefill_computed": res.metrics["prefill_computed"], "engine_tokens_computed": engine_tok}
             pairs = [n[1:] for n in res.agents if n.startswith("B")]
             if pairs:  # A->B pairs: downstream response latency
                 row["response_latency_s"] = statistics.mean(

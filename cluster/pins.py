@@ -17,14 +17,11 @@ from cluster.remote import RemoteKVRef, materialize, pin
 def prompt_prefix(model: str, text: str, system: str | None = None) -> list[int]:
     """The token ids an agent of `model` whose prompt starts with context `text` prefills first:
     the chat template's header (with `system`) and the text (`PromptBuilder.segments` joins them so)."""
-    from transformers import AutoTokenizer
+    from aaflow.runtime import _builders
 
-    from aaflow.models import resolve_model_path
-    from aaflow.runtime.prompts import PromptBuilder
-
-    builder = PromptBuilder(AutoTokenizer.from_pretrained(str(resolve_model_path(model, quiet=True))))
+    builder = _builders({model})[0][model]  # the process's tokenizer for `model`, loaded once
     head, _ = builder.frame(system)
-    return list(head) + builder.tokenizer.encode(text, add_special_tokens=False)
+    return list(head + builder.ids(text))
 
 
 def pin_context(cluster: Cluster, text: str, ttl_s: float | None = None, model: str | None = None,

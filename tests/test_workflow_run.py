@@ -151,7 +151,7 @@ def test_a_context_read_by_many_agents_is_tokenized_once_per_run(tiny_cluster):
     finally:
         del builder.tokenizer.encode
     assert encoded.count(DOC) == 1 and len(firsts) == 1
-    assert tuple(encode(DOC, add_special_tokens=False)) == builder._ids(DOC)
+    assert tuple(encode(DOC, add_special_tokens=False)) == builder.ids(DOC)
     res = af.run(wf, cluster, strategy="text")
     assert res.total_s >= res.wall_s > 0
 

@@ -36,9 +36,10 @@ class PromptBuilder:
         self._lock = lock or threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         self._memo: dict[str, tuple[int, ...]] = {}  # a context read by many agents is tokenized once
         self._frames: dict[str | None, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        self.separator = self._ids("\n\n")
+        self.separator = self.ids("\n\n")
 
-    def _ids(self, text: str) -> tuple[int, ...]:
+    def ids(self, text: str) -> tuple[int, ...]:
+        """The token ids of `text` (no special tokens), each text tokenized once per builder."""
         ids = self._memo.get(text)
         if ids is None:
             with self._lock:
@@ -57,7 +58,7 @@ class PromptBuilder:
         with self._lock:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         head, tail = text.split(_PLACEHOLDER)
-        return self._ids(head), self._ids(tail)
+        return self.ids(head), self.ids(tail)
 
     def segments(self, wf: Workflow, agent: AgentNode) -> list[Segment]:
         """The agent's prompt as segments. The first is the shareable prefix: the chat header and
@@ -69,14 +70,14 @@ class PromptBuilder:
             is_context = isinstance(part, ContextNode)
             shared = shared and is_context
             if shared:
-                out[0] = out[0] + (self.separator if i else ()) + self._ids(part.text)
+                out[0] = out[0] + (self.separator if i else ()) + self.ids(part.text)
                 continue
             if i:
                 out.append(self.separator)
             if isinstance(part, str):
-                out.append(self._ids(part))
+                out.append(self.ids(part))
             elif is_context:
-                out.append(self._ids(part.text))
+                out.append(self.ids(part.text))
             else:
                 out.append(AgentInput(part.name))
         out.append(tail)
@@ -96,7 +97,7 @@ class PromptBuilder:
         for i, part in enumerate(prompt_leaves(wf, agent)):
             if not isinstance(part, ContextNode):
                 break
-            lengths.append((len(head) if i == 0 else len(self.separator)) + len(self._ids(part.text)))
+            lengths.append((len(head) if i == 0 else len(self.separator)) + len(self.ids(part.text)))
         return lengths
 
 

@@ -60,8 +60,10 @@ void softmax_row(const float* scores, int64_t n, uint16_t* probs, float* max_out
   float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
 #if defined(__AVX512BF16__)
   __m512 vmax = _mm512_set1_ps(m);
-  for (int64_t j = 0; j < n; j += 16)
-    vmax = _mm512_mask_max_ps(vmax, aaflow_simd::first_lanes(n - j), vmax, _mm512_maskz_loadu_ps(aaflow_simd::first_lanes(n - j), scores + j));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = aaflow_simd::first_lanes(n - j);
+    vmax = _mm512_mask_max_ps(vmax, lanes, vmax, _mm512_maskz_loadu_ps(lanes, scores + j));
+  }
   m = _mm512_reduce_max_ps(vmax);
   const __m512 shift = _mm512_set1_ps(-m * kLog2e), c = _mm512_set1_ps(kLog2e);
   __m512 vsum = _mm512_setzero_ps();
