@@ -1,6 +1,7 @@
 """The one-row linear kernel (csrc/one_row_linear.cpp, aaflow/engine/linear.py): a decode step of one
 sequence gives the product rounded once from fp32 sums, with or without bias, and every other shape
-keeps oneDNN's path."""
+keeps oneDNN's path. (On a CPU with AMX the AMX kernel takes single rows instead; it is switched
+off here so that these tests reach the one-row kernel on every machine that builds it.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from aaflow.engine.linear import Linear, can_prepack, one_row_kernel
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None or not can_prepack(torch.bfloat16)
     or one_row_kernel() is None, reason="needs a C++ compiler and a CPU with AVX512-BF16")
+
+
+@pytest.fixture(autouse=True)
+def without_the_amx_kernel(monkeypatch):
+    monkeypatch.setenv(linear.AMX_LINEAR.env_switch, "0")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

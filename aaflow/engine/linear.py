@@ -1,5 +1,7 @@
 """Linear layers, with oneDNN-prepacked weights where the CPU has native bf16 (AVX512-BF16 / AMX),
-and a compiled one-row kernel (`csrc/one_row_linear.cpp`) for a decode step of one sequence."""
+a compiled AMX kernel for a few rows (`csrc/amx_linear.cpp`: decode steps, small prefill chunks)
+where the CPU has AMX, and else a compiled one-row kernel (`csrc/one_row_linear.cpp`) for a decode
+step of one sequence."""
 
 from __future__ import annotations
 
@@ -7,8 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine.native_build import NativeModule
+from aaflow.machine import matrix_isa
 
 ONE_ROW = NativeModule("one_row_linear.cpp", "the bf16 one-row linear kernel", "AAFLOW_ONE_ROW_LINEAR")
+AMX_LINEAR = NativeModule("amx_linear.cpp", "the AMX few-rows linear kernel", "AAFLOW_AMX_LINEAR",
+                          extra_cflags=("-mamx-tile", "-mamx-bf16"))
+# Rows up to which the AMX kernel beats oneDNN (121 products of SmolLM2, Xeon with AMX, 2 threads,
+# medians of 3-6 alternated, ms: 1 row 6.9 against the one-row kernel's 9.5; 8 rows 7.4 / 11.8;
+# 32 rows 9.3 / 14.2; 64 rows 12.1 / 16.2; 128 rows 18.9 / 22.7; 160 rows 22.9 / 26.4; 192 rows
+# 27.5 / 28.4; from 224 rows oneDNN wins, 31.6 / 35.5).
+AMX_MAX_ROWS = 160
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
 
 
@@ -28,29 +38,63 @@ def one_row_kernel():
     return module if module is not None and module.vectorized else None
 
 
+def amx_linear_kernel():
+    """The AMX few-rows kernel where the CPU has AMX and Linux grants it; else None.
+    `AAFLOW_AMX_LINEAR=0` switches it off."""
+    if matrix_isa() != "amx":
+        return None
+    module = AMX_LINEAR.load()
+    return module if module is not None and module.ready() else None
+
+
+def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K / 32, 16, 16, 2]
+    """W as the AMX kernel's B tiles, in the order it reads them: per 16 outputs n, per 32 inputs,
+    16 rows of input pairs (2r, 2r + 1) x 16 outputs: packed[n / 16, k / 32, r, n % 16, e] =
+    W[n, 32 (k / 32) + 2r + e]."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
 class Linear:
     """y = x @ W.T + b. With `prepack`, W is reordered once into oneDNN's blocked layout
-    (measured here: ~1.3x faster at decode sizes, ~1.2x at prefill sizes). Where the one-row
-    kernel builds, the plain W stays too (one more copy of the weights in memory) and a single row
-    goes through the kernel (SmolLM2 bf16, Xeon with AMX, 2 threads: its 121 products 12.6
-    against 14.8 ms; a whole decode step of one sequence 19.3 against 22.6 ms, and 24.1 against
-    24.8 ms half an hour later, the machine slower: 3-15%)."""
+    (measured here: ~1.3x faster at decode sizes, ~1.2x at prefill sizes), and one more copy of
+    the weights is kept for a compiled kernel: on a CPU with AMX (and both sizes multiples of 32)
+    W as AMX tiles, and up to AMX_MAX_ROWS rows go through the AMX kernel; else, where the one-row
+    kernel builds, the plain W, and a single row goes through it (its 121 products 12.6 against
+    oneDNN's 14.8 ms: a whole decode step of one sequence 19.3 against 22.6 ms).
+
+    `batch_invariant=True` (the engine's deterministic mode) keeps every call on oneDNN's many-row
+    path, so that a row's result does not depend on how many rows share the call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.nbytes = weight.numel() * weight.element_size()  # what one product reads
         self.bias = bias
         self.prepacked = prepack
+        kernel_bias = _NO_BIAS if bias is None else bias.to(torch.bfloat16).contiguous()
+        self.amx = None  # (kernel, W as AMX tiles, bias [out] or empty) for up to AMX_MAX_ROWS rows
         self.one_row = None  # (kernel, plain W [out, in], bias [out] or empty) for single rows
-        if prepack and self.in_features % 32 == 0 and (kernel := one_row_kernel()) is not None:
-            plain_bias = _NO_BIAS if bias is None else bias.to(torch.bfloat16).contiguous()
-            self.one_row = (kernel, weight.contiguous(), plain_bias)
+        if prepack and self.in_features % 32 == 0:
+            if self.out_features % 32 == 0 and (kernel := amx_linear_kernel()) is not None:
+                self.amx = (kernel, pack_for_amx(weight.contiguous()), kernel_bias)
+            elif (kernel := one_row_kernel()) is not None:
+                self.one_row = (kernel, weight.contiguous(), kernel_bias)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if prepack else weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self.one_row is not None and x.shape[0] == 1:
+    def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        rows = x.shape[0]
+        if batch_invariant:
+            if rows == 1:  # oneDNN's one-row kernel rounds unlike the many-row one
+                return self._onednn(x.expand(2, -1).contiguous())[:1]
+        elif self.amx is not None and rows <= AMX_MAX_ROWS:
+            kernel, packed, bias = self.amx
+            return kernel.amx_linear(x.contiguous(), packed, bias)
+        elif self.one_row is not None and rows == 1:
             kernel, weight, bias = self.one_row
             return kernel.one_row_linear(x.contiguous(), weight, bias)
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

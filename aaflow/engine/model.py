@@ -45,9 +45,7 @@ class LlamaModel:
         self.elementwise = Elementwise(dtype, config.rms_norm_eps)
 
     def _linear(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        if self.deterministic and x.shape[0] == 1:  # oneDNN's one-row kernel rounds unlike the many-row one
-            return linear(x.expand(2, -1).contiguous())[:1]
-        return linear(x)
+        return linear(x, batch_invariant=self.deterministic)
 
     def _layer(
         self, index: int, w: LayerWeights, h: torch.Tensor, delta: torch.Tensor | None,

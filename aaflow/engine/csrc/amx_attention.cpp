@@ -14,51 +14,27 @@
 // Built with -mamx-tile -mamx-bf16 whatever the CPU; Python calls it only where the CPU has AMX.
 
 #include <torch/extension.h>
-
-#include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "simd_exp.h"
 
 namespace {
 
 using aaflow_simd::exp2_neg;
 using aaflow_simd::first_lanes;
+using aaflow_amx::configure_tiles;
+using aaflow_amx::request_amx;
 
 constexpr int kDim = 64;        // head_dim: two 32-wide bf16 steps of a tile
 constexpr int kRows = 16;       // query rows of a task (a tile's rows)
 constexpr int kBlockKeys = 128; // keys per softmax block
 constexpr int kPackKeys = 32;   // V is packed in groups of 32 keys (a P tile's width)
-
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {  // every tile 16 rows x 64 bytes
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.colsb[i] = 64;
-    config.rows[i] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
-bool request_amx() {  // Linux hands out AMX state only on request (once per process)
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
 
 // K of one kv head as QK^T's B tiles: per 16 keys, two tiles (dims 0-31, 32-63), each 16 rows of
 // dim pairs x 16 keys: packed[g][half][r][n] = dword (dims 2r, 2r+1 of the half) of key 16g + n.

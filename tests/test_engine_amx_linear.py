@@ -1,0 +1,97 @@
+"""The AMX few-rows linear kernel (csrc/amx_linear.cpp, aaflow/engine/linear.py): the product of up
+to AMX_MAX_ROWS rows rounded once from fp32 sums, with or without bias; a row's result does not
+depend on the other rows of the call; more rows, the deterministic mode and odd widths keep oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aaflow.engine import linear
+from aaflow.engine.linear import AMX_MAX_ROWS, Linear, amx_linear_kernel, can_prepack, pack_for_amx
+
+pytestmark = pytest.mark.skipif(not can_prepack(torch.bfloat16) or amx_linear_kernel() is None,
+                                reason="needs a C++ compiler and a CPU with AMX")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 sums of the bf16 inputs, plus the bias, rounded once to bf16."""
+    y = x.float() @ w.float().T
+    return (y if bias is None else y + bias.float()).bfloat16()
+
+
+def within_one_ulp(ours: torch.Tensor, ref: torch.Tensor) -> bool:
+    """fp32 sums in another order than the reference's: at most one bf16 ulp apart."""
+    ulp = ref.float().abs().clamp_min(1e-3) * 2 ** -7
+    return bool(((ours.float() - ref.float()).abs() <= ulp).all())
+
+
+@pytest.mark.parametrize("out_features,in_features,rows,with_bias", [
+    (576, 576, 1, False), (960, 576, 5, True), (576, 1536, 16, False), (3072, 576, 17, True),
+    (64, 64, 33, False), (96, 128, 64, True), (32, 32, AMX_MAX_ROWS, False)])
+def test_the_product_rounded_once(out_features, in_features, rows, with_bias):
+    torch.manual_seed(rows)
+    w = torch.randn(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16() if with_bias else None
+    layer = Linear(w, bias, prepack=True)
+    assert layer.amx is not None and layer.one_row is None  # the AMX copy replaces the plain one
+    x = torch.randn(rows, in_features).bfloat16()
+    ours = layer(x)
+    assert ours.shape == (rows, out_features) and ours.dtype == torch.bfloat16
+    assert within_one_ulp(ours, reference(x, w, bias))
+
+
+def test_a_row_gets_the_same_bits_alone_and_among_others():
+    torch.manual_seed(1)
+    w = torch.randn(96, 192).bfloat16()
+    layer = Linear(w, None, prepack=True)
+    x = torch.randn(37, 192).bfloat16()  # three 16-row tiles, the last one partial
+    together = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(37)])
+    assert torch.equal(together, alone)
+
+
+def test_the_weight_packing_is_the_tile_order():
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).bfloat16()
+    packed = pack_for_amx(w)  # [2, 2, 16, 16, 2]
+    assert packed.shape == (2, 2, 16, 16, 2)
+    n, k = 21, 45  # output 21 = tile 1, column 5; input 45 = tile 1, pair row 6, element 1
+    assert packed[1, 1, 6, 5, 1] == w[n, k]
+
+
+def test_more_rows_deterministic_mode_and_odd_widths_keep_onednn(monkeypatch):
+    torch.manual_seed(2)
+    w = torch.randn(64, 96).bfloat16()
+    layer = Linear(w, None, prepack=True)
+    calls = []
+    kernel, packed, bias = layer.amx
+    spy = type("Spy", (), {"amx_linear": lambda self, *a: calls.append(a) or kernel.amx_linear(*a)})()
+    layer.amx = (spy, packed, bias)
+    many = torch.randn(AMX_MAX_ROWS + 1, 96).bfloat16()
+    assert torch.allclose(layer(many).float(), reference(many, w, None).float(), rtol=2e-2, atol=2e-2)
+    layer(many[:3], batch_invariant=True)
+    assert calls == []  # both went to oneDNN
+    layer(many[:3])
+    assert len(calls) == 1
+    one = layer(many[:1], batch_invariant=True)  # deterministic: oneDNN's many-row rounding for one row too
+    assert torch.equal(one, layer(many[:2], batch_invariant=True)[:1])
+    odd = Linear(torch.randn(40, 64).bfloat16(), None, prepack=True)  # 40 outputs: no multiple of 32
+    assert odd.amx is None and odd(torch.randn(2, 64).bfloat16()).shape == (2, 40)
+
+
+def test_bad_inputs_are_refused_by_name():
+    kernel = amx_linear_kernel()
+    packed = pack_for_amx(torch.randn(32, 64).bfloat16())
+    none = torch.empty(0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K"):
+        kernel.amx_linear(torch.randn(2, 96).bfloat16(), packed, none)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernel.amx_linear(torch.randn(2, 64), packed, none)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel.amx_linear(torch.randn(2, 64).bfloat16(), packed, torch.zeros(5).bfloat16())
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv(linear.AMX_LINEAR.env_switch, "0")
+    assert amx_linear_kernel() is None
+    assert Linear(torch.randn(32, 64).bfloat16(), None, prepack=True).amx is None
