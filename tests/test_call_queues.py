@@ -1,6 +1,6 @@
 """The per-replica call queues: bookkeeping calls (opens, closes) never take a decode step's turn,
-so prompt segments queued behind a burst of them reach the replica at the next step; a refused
-mixed step is followed by a step of its decoding agents alone."""
+and a run of them goes in one launch, so prompt segments queued behind a burst of them reach the
+replica at the next step; a refused mixed step is followed by a step of its decoding agents alone."""
 
 from __future__ import annotations
 
@@ -66,7 +66,15 @@ def test_opens_and_closes_go_between_two_steps_and_the_prompt_behind_them_mixes_
         queues.call("r0", CallKind.CLOSE, f"old-{sid}")
         queues.call("r0", CallKind.OPEN, sid, None)
     queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
-    _run(queues, 8)
+    queues.launch()
+    assert backend.kinds == ["CLOSE", "OPEN"] * 3 and len(queues.inflight) == 6  # sent together
+    queues.launch()
+    assert len(backend.kinds) == 6  # nothing more while any of them is in flight
+    for ticket in list(queues.inflight)[:5]:
+        queues.finish(ticket)
+    queues.launch()
+    assert len(backend.kinds) == 6
+    _run(queues, 3)
     assert backend.kinds == ["CLOSE", "OPEN"] * 3 + ["MIXED", "STEPS"]  # then, the queue empty, a group
 
 
