@@ -77,9 +77,9 @@ def test_chain_stream_hands_off_one_chunk_remainder():
     assert (streamed.agents["A"].replica, s.replica) == ("s0", "s1")
     assert s.first_token_s - a_end == pytest.approx(O + prefill(1 + 8))
     assert streamed.makespan_s == pytest.approx(a_end + O + prefill(9) + step + O)
-    # text: B opens after A, on s0 behind A's close, and prefills the whole prompt
+    # text: B opens after A, on s0 with A's close (sent together: one round trip), and prefills the whole prompt
     t = text.agents["B"]
-    assert t.first_token_s - text_a_end == pytest.approx(3 * O + prefill(512 + 33 + 8))
+    assert t.first_token_s - text_a_end == pytest.approx(2 * O + prefill(512 + 33 + 8))
     assert s.first_token_s - a_end < (t.first_token_s - text_a_end) / 5
     assert s.prefill_computed_tokens == t.prefill_computed_tokens == 512 + 33 + 8
 
