@@ -98,7 +98,7 @@ class CallQueues:
         return self.inflight.pop(ticket) or _ignore
 
     def drop_replica(self, name: str) -> None:
-        """A replica died: forget its queue and its call in flight."""
+        """A replica died: forget its queue and its calls in flight."""
         self.queues[name].clear()
         for ticket in self.running.pop(name, ()):
             self.inflight.pop(ticket, None)
