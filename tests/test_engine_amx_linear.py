@@ -75,6 +75,7 @@ def test_more_rows_deterministic_mode_and_odd_widths_keep_onednn(monkeypatch):
     assert len(calls) == 1
     one = layer(many[:1], batch_invariant=True)  # deterministic: oneDNN's many-row rounding for one row too
     assert torch.equal(one, layer(many[:2], batch_invariant=True)[:1])
+    assert layer(many[:0]).shape == (0, 64) and len(calls) == 1  # no rows: oneDNN's empty product, no refusal
     odd = Linear(torch.randn(40, 64).bfloat16(), None, prepack=True)  # 40 outputs: no multiple of 32
     assert odd.amx is None and odd(torch.randn(2, 64).bfloat16()).shape == (2, 40)
 

@@ -86,7 +86,7 @@ class Linear:
         if batch_invariant:
             if rows == 1:  # oneDNN's one-row kernel rounds unlike the many-row one
                 return self._onednn(x.expand(2, -1).contiguous())[:1]
-        elif self.amx is not None and rows <= AMX_MAX_ROWS:
+        elif self.amx is not None and 0 < rows <= AMX_MAX_ROWS:
             kernel, packed, bias = self.amx
             return kernel.amx_linear(x.contiguous(), packed, bias)
         elif self.one_row is not None and rows == 1:
