@@ -1,13 +1,13 @@
 // y = x @ W.T (+ bias) for a few rows of x in bf16 (decode steps, small prefill chunks) on Intel
 // AMX tiles, streaming W once from a tile-ordered copy.
 //
-// oneDNN's bf16 GEMM streams SmolLM2's weights at 13-20 GB/s for 2-64 rows here (Xeon with AMX, 2
-// threads: 121 products 11.5 ms at 8 rows, 16.7 ms at 64), where the one-row kernel reads them at
-// 21+ GB/s: with so few rows the weights' bytes are the bound, not the dot products. Here W is
-// stored once as AMX B tiles in the order they are read: per 16 outputs, its K/32 tiles of 16 rows
-// (pairs of k) x 16 outputs x 2 (VNNI); a thread takes a band of 32 outputs at a time and streams
-// its two runs of tiles, each tile multiplied with every 16-row tile of x (x, at most 64 rows here,
-// stays in cache; it is copied into zero-padded rows first).
+// With few rows a product is bound by reading the weights, not by the dot products, and oneDNN's
+// bf16 GEMM read SmolLM2's at 13-20 GB/s here (Xeon with AMX, 2 threads: its 121 products 11.8 ms
+// at 8 rows, 16.2 ms at 64). Here W is stored once more as AMX B tiles in the order they are read:
+// per 16 outputs, its K/32 tiles of 16 rows (pairs of k) x 16 outputs x 2 (VNNI); a thread takes a
+// band of 32 outputs at a time and streams its two runs of tiles, each tile multiplied with every
+// 16-row tile of x (x, copied into zero-padded rows first, stays in cache): 7.4 ms at 8 rows, 12.1
+// at 64. linear.py sends it up to AMX_MAX_ROWS rows; past ~200 rows oneDNN's blocking wins.
 //
 // Each output is one fp32 sum over k in the same order whatever the number of rows: a row's result
 // does not depend on the others in x.
