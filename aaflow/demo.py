@@ -60,8 +60,8 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
         af.run(wf, cluster, strategy="text")
         print(f"warm-up done in {time.perf_counter() - t0:.1f} s\n", flush=True)
         results, walls = {}, {"text": [], "auto": []}
-        for i in range(rounds):  # alternating, so that both strategies see the same machine
-            for strategy in walls:
+        for i in range(rounds):  # alternating, the order rotated, so that both strategies see the same machine
+            for strategy in (list(walls) if i % 2 == 0 else list(walls)[::-1]):
                 for r in cluster.replicas():  # every run starts cold
                     r.actor.clear_prefix_cache.remote()
                 print(f"round {i + 1}/{rounds}: running with strategy={strategy} ...", flush=True)
