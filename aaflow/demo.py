@@ -78,8 +78,9 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
               f"{text_s / auto_s:.2f}x faster than text passing with the prefix cache on (each run: text "
               f"{_seconds(walls['text'])}, auto {_seconds(walls['auto'])}); prefill tokens computed "
               f"{text.metrics['prefill_computed']} -> {auto.metrics['prefill_computed']}; outputs identical "
-              f"to text: {same}" + ("" if same or dtype == "float32" or deterministic else " (in bf16 how rows are batched "
-                                    "can flip near-tied tokens; use --deterministic or --dtype float32 for exact equality)"))
+              f"to text: {same}" + ("" if same or dtype == "float32" or deterministic else
+                                    " (in bf16 how rows are batched can flip near-tied tokens; use --deterministic"
+                                    " or --dtype float32 for exact equality)"))
     finally:
         cluster.shutdown()
     _against_vllm(wf, auto, auto_s, rounds)
