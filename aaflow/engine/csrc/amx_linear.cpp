@@ -6,8 +6,9 @@
 // at 8 rows, 16.2 ms at 64). Here W is stored once more as AMX B tiles in the order they are read:
 // per 16 outputs, its K/32 tiles of 16 rows (pairs of k) x 16 outputs x 2 (VNNI); a thread takes a
 // band of 32 outputs at a time and streams its two runs of tiles, each tile multiplied with every
-// 16-row tile of x (x, copied into zero-padded rows first, stays in cache): 7.4 ms at 8 rows, 12.1
-// at 64. linear.py sends it up to AMX_MAX_ROWS rows; past ~200 rows oneDNN's blocking wins.
+// 16-row tile of x (read in place, it stays in cache; a last partial tile is copied into zero-padded
+// rows): 7.4 ms at 8 rows, 12.1 at 64. linear.py sends it up to AMX_MAX_ROWS rows; past ~200 rows
+// oneDNN's blocking wins.
 //
 // Each output is one fp32 sum over k in the same order whatever the number of rows: a row's result
 // does not depend on the others in x.
@@ -37,15 +38,14 @@ using aaflow_amx::request_amx;
 constexpr int64_t kTileBytes = 1024;  // a B tile: 16 rows x 64 bytes
 constexpr int64_t kBandOutputs = 32;  // outputs a task computes: two B tiles side by side
 
-// Rows [m0, m0 + 32) of x (padded) times outputs [n0, n0 + 32): tiles 0-3 accumulate (row tile i,
-// output tile j) as 2i + j, 4-5 hold x, 6-7 W. `two_row_tiles`: false when only 16 rows remain.
-void band_rows(const uint16_t* xpad, int64_t K, const uint16_t* packed, int64_t n0, int64_t m0, bool two_row_tiles,
+// Two 16-row tiles of x (x1 null: one) times outputs [n0, n0 + 32): tiles 0-3 accumulate (row tile
+// i, output tile j) as 2i + j, 4-5 hold x, 6-7 W.
+void band_rows(const uint16_t* x0, const uint16_t* x1, int64_t K, const uint16_t* packed, int64_t n0,
                float* acc /* [32][32] */) {
   const int64_t k_tiles = K / 32;
   const char* w0 = reinterpret_cast<const char*>(packed) + (n0 / 16) * k_tiles * kTileBytes;
   const char* w1 = w0 + k_tiles * kTileBytes;
-  const auto* x0 = xpad + m0 * K;
-  const auto* x1 = x0 + 16 * K;
+  const bool two_row_tiles = x1 != nullptr;
   const int64_t stride = K * 2;
   _tile_zero(0);
   _tile_zero(1);
@@ -74,7 +74,8 @@ void band_rows(const uint16_t* xpad, int64_t K, const uint16_t* packed, int64_t 
 }
 
 void check(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x must be bf16 [M, K], contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+              "x must be bf16 [M, K], contiguous");
   TORCH_CHECK(packed.dim() == 5 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 16 && packed.size(4) == 2,
               "packed must be pack_for_amx's bf16 [N / 16, K / 32, 16, 16, 2]");
@@ -90,9 +91,11 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
   check(x, packed, bias);
   TORCH_CHECK(request_amx(), "the kernel could not enable AMX (arch_prctl refused)");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  const int64_t padded_rows = (M + 15) / 16 * 16;
-  std::vector<uint16_t> xpad(padded_rows * K, 0);  // zero rows past M: their sums are dropped
-  std::memcpy(xpad.data(), x.data_ptr(), M * K * sizeof(uint16_t));
+  const int64_t padded_rows = (M + 15) / 16 * 16, whole_rows = M / 16 * 16;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  std::vector<uint16_t> tail(padded_rows > whole_rows ? 16 * K : 0, 0);  // a last, partial row tile, zero past M
+  if (!tail.empty()) std::memcpy(tail.data(), xp + whole_rows * K, (M - whole_rows) * K * sizeof(uint16_t));
+  auto row_tile = [&](int64_t m) { return m < whole_rows ? xp + m * K : tail.data(); };  // x's rows m..m+15
   auto y = torch::empty({M, N}, x.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.data_ptr()) : nullptr;
@@ -103,7 +106,7 @@ torch::Tensor amx_linear(const torch::Tensor& x, const torch::Tensor& packed, co
     for (int64_t band = lo; band < hi; ++band) {
       const int64_t n0 = band * kBandOutputs;
       for (int64_t m0 = 0; m0 < padded_rows; m0 += 32) {
-        band_rows(xpad.data(), K, wp, n0, m0, padded_rows - m0 > 16, acc);
+        band_rows(row_tile(m0), padded_rows - m0 > 16 ? row_tile(m0 + 16) : nullptr, K, wp, n0, acc);
         for (int64_t r = 0; r < 32 && m0 + r < M; ++r) {
           uint16_t* out = yp + (m0 + r) * N + n0;
           for (int64_t c = 0; c < kBandOutputs; ++c)
