@@ -9,6 +9,7 @@ A compute entry is keyed by `model_key` (model, dtype, threads): profiles of oth
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -49,11 +50,8 @@ def model_key(info: dict) -> str:
 def find_profile(name: str | None = None) -> HardwareProfile | None:
     """The calibrated profile of this machine, or None: `aaflow calibrate`'s (project configs),
     completed by the entries calibrated on first use (the cache) for models it lacks."""
-    from dataclasses import replace
-
     name = name or default_profile_name()
-    found = [HardwareProfile.load(p) for p in (hardware_dir() / f"{name}.yaml", cached_profile_path(name))
-             if p.exists()]
+    found = [_load(p) for p in (hardware_dir() / f"{name}.yaml", cached_profile_path(name)) if p.exists()]
     if not found:
         return None
     profile = found[0]
@@ -61,6 +59,18 @@ def find_profile(name: str | None = None) -> HardwareProfile | None:
         profile = replace(profile, compute={**extra.compute, **profile.compute},
                           links={**extra.links, **profile.links})
     return profile
+
+
+def _load(path: Path) -> HardwareProfile:
+    """`HardwareProfile.load`, memoized by the file's modification time and size (a profile is
+    immutable; `af.run(strategy="auto")` looks it up on every run, ~7 ms of YAML per file)."""
+    stat = path.stat()
+    return _load_version(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_version(path: str, mtime_ns: int, size: int) -> HardwareProfile:
+    return HardwareProfile.load(path)
 
 
 def _call_overhead_s(replica) -> float:

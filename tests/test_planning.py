@@ -87,6 +87,26 @@ def test_plan_without_a_profile_says_to_calibrate(calibrated, monkeypatch, tmp_p
         af.plan(map_reduce(model), {model: 2})
 
 
+def test_the_profile_read_on_every_auto_run_is_reread_once_its_file_changes(calibrated, monkeypatch, tmp_path):
+    """find_profile memoizes the parsed YAML by the file's modification time and size: an unchanged
+    file comes back as the same object, a recalibrated one is read again."""
+    from dataclasses import replace
+
+    from aaflow.calibration import cached_profile_path, find_profile
+
+    _, _, profile, _ = calibrated
+    monkeypatch.setattr("aaflow.calibration.default_profile_name", lambda: "memo-test-host")
+    monkeypatch.setenv("AAFLOW_CACHE_DIR", str(tmp_path))
+    path = cached_profile_path("memo-test-host")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    first = find_profile()
+    assert first == profile and find_profile() is first
+    recalibrated = replace(profile, call_overhead_s=profile.call_overhead_s * 3 + 0.0123)
+    recalibrated.save(path)
+    assert find_profile() == recalibrated != first
+
+
 def test_cli_plan_projects_a_yaml_workflow(calibrated, tmp_path):
     _, model, _, _ = calibrated
     path = tmp_path / "wf.yaml"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from array import array
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +29,7 @@ def workflow_spec(workflow, builders: dict) -> WorkflowSpec:
     for node in workflow.agents():
         segments = builders[node.model].segments(workflow, node)
         prefix = static_prefix(segments)
-        key = hashlib.sha256(repr((node.model, prefix)).encode()).hexdigest()[:16]
+        key = hashlib.sha256(node.model.encode() + b"\0" + array("q", prefix).tobytes()).hexdigest()[:16]
         rest = tuple(s.agent if isinstance(s, AgentInput) else len(s) for s in segments[1:])
         tasks.append(AgentTask(node.name, node.model, key, len(prefix), rest, node.max_tokens))
     return WorkflowSpec(workflow.name, tuple(tasks))
