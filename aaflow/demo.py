@@ -79,7 +79,8 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
               f"{_seconds(walls['text'])}, auto {_seconds(walls['auto'])}); prefill tokens computed "
               f"{text.metrics['prefill_computed']} -> {auto.metrics['prefill_computed']}; outputs identical "
               f"to text: {same}" + ("" if same or dtype == "float32" or deterministic else
-                                    " (in bf16 how rows are batched can flip near-tied tokens; use --deterministic"
+                                    " (in bf16 a batching that rounds differently, such as cascade attention over a"
+                                    " prefix 8+ decoding agents share, can flip near-tied tokens; use --deterministic"
                                     " or --dtype float32 for exact equality)"))
     finally:
         cluster.shutdown()

@@ -1,6 +1,7 @@
 """The AMX few-rows linear kernel (csrc/amx_linear.cpp, aaflow/engine/linear.py): the product of up
 to AMX_MAX_ROWS rows rounded once from fp32 sums, with or without bias; a row's result does not
-depend on the other rows of the call; more rows, the deterministic mode and odd widths keep oneDNN."""
+depend on the other rows of the call; more rows and odd widths keep oneDNN; long reductions stay on
+the kernel longer (always in deterministic mode)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,42 @@ def test_more_rows_deterministic_mode_and_odd_widths_keep_onednn(monkeypatch):
     assert layer(many[:0]).shape == (0, 64) and len(calls) == 1  # no rows: oneDNN's empty product, no refusal
     odd = Linear(torch.randn(40, 64).bfloat16(), None, prepack=True)  # 40 outputs: no multiple of 32
     assert odd.amx is None and odd(torch.randn(2, 64).bfloat16()).shape == (2, 40)
+
+
+def test_long_reductions_stay_on_the_kernel_longer_and_always_in_deterministic_mode():
+    """oneDNN reduces K >= LONG_K in an order that depends on the row count (SmolLM2's down
+    projection: 182 and 193-256 rows on 2 threads); the AMX kernel takes those products up to
+    AMX_MAX_ROWS_LONG_K rows, and at any row count with batch_invariant."""
+    torch.manual_seed(3)
+    w = torch.randn(64, linear.LONG_K).bfloat16()
+    layer = Linear(w, None, prepack=True)
+    assert layer.amx_max_rows == linear.AMX_MAX_ROWS_LONG_K > AMX_MAX_ROWS
+    calls = []
+    kernel, packed, bias = layer.amx
+    spy = type("Spy", (), {"amx_linear": lambda self, *a: calls.append(a[0].shape[0]) or kernel.amx_linear(*a)})()
+    layer.amx = (spy, packed, bias)
+    x = torch.randn(linear.AMX_MAX_ROWS_LONG_K + 1, linear.LONG_K).bfloat16()
+    layer(x[:200])
+    layer(x)  # one row too many: oneDNN
+    layer(x, batch_invariant=True)
+    assert calls == [200, linear.AMX_MAX_ROWS_LONG_K + 1]
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_deterministic_rows_do_not_depend_on_the_call_with_a_long_reduction(amx, monkeypatch):
+    """SmolLM2's down projection shape: a row's bits are the same in calls of any size, through the
+    AMX kernel or, without it, through oneDNN in fixed blocks of rows."""
+    if not amx:
+        monkeypatch.setenv(linear.AMX_LINEAR.env_switch, "0")
+    torch.manual_seed(4)
+    w = (torch.randn(576, 1536) * 0.05).bfloat16()
+    layer = Linear(w, None, prepack=True)
+    assert (layer.amx is not None) == amx
+    x = (torch.randn(700, 1536) * 2).bfloat16()
+    whole = layer(x, batch_invariant=True)
+    for rows in (1, 150, 182, 200, 256, 300):
+        assert torch.equal(layer(x[:rows], batch_invariant=True), whole[:rows]), f"{rows} rows"
+    assert torch.equal(layer(x[390:700], batch_invariant=True), whole[390:])
 
 
 def test_bad_inputs_are_refused_by_name():

@@ -9,8 +9,9 @@ instead of `is_causal` (whose skipping depends on where the chunk starts), and q
 head padded to a multiple of `QUERY_ROW_MULTIPLE`: the kernel splits rows into blocks of 32, 64 or
 256, and a block of 1-3 rows (a short call, or the tail of a long one) takes another path with
 other rounding. oneDNN's bf16 matmuls give a row the same bits whatever the number of rows, except
-for a single row (`LlamaModel._linear` runs it as two), so the whole forward pass is then invariant
-(tests/test_engine_deterministic.py checks it).
+for a single row (run as two) and, over long reductions (the down projection), some row counts
+(those run on the AMX kernel, or in oneDNN calls of a fixed size: `Linear(x, batch_invariant=True)`),
+so the whole forward pass is then invariant (tests/test_engine_deterministic.py checks it).
 """
 
 from __future__ import annotations

@@ -19,6 +19,17 @@ AMX_LINEAR = NativeModule("amx_linear.cpp", "the AMX few-rows linear kernel", "A
 # 32 rows 9.3 / 14.2; 64 rows 12.1 / 16.2; 128 rows 18.9 / 22.7; 160 rows 22.9 / 26.4; 192 rows
 # 27.5 / 28.4; from 224 rows oneDNN wins, 31.6 / 35.5).
 AMX_MAX_ROWS = 160
+# oneDNN's bf16 GEMM splits a long reduction differently for some row counts, and those rows round
+# unlike the same rows in any other call (SmolLM2's down projection, K = 1,536, on 2 threads: 182
+# and 193-256 rows; on 1 thread: 130-160 and from 193 on; its K = 576 products never did): a
+# prompt prefilled in chunks of 256 continued to other logits than one prefilled whole. Products
+# over at least LONG_K inputs stay on the AMX kernel, whose sums run in one fixed order, up to
+# AMX_MAX_ROWS_LONG_K rows; it is faster there too (down projection alone, us, AMX / oneDNN: 256
+# rows 243 / 410, 512 rows 507 / 591; 1,024 rows 1,461 / 1,118).
+LONG_K = 1024
+AMX_MAX_ROWS_LONG_K = 512
+# Deterministic mode without the AMX kernel runs those products on oneDNN in calls of this many rows.
+INVARIANT_BLOCK_ROWS = 64
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
 
 
@@ -59,12 +70,15 @@ class Linear:
     """y = x @ W.T + b. With `prepack`, W is reordered once into oneDNN's blocked layout
     (measured here: ~1.3x faster at decode sizes, ~1.2x at prefill sizes), and one more copy of
     the weights is kept for a compiled kernel: on a CPU with AMX (and both sizes multiples of 32)
-    W as AMX tiles, and up to AMX_MAX_ROWS rows go through the AMX kernel; else, where the one-row
+    W as AMX tiles, and up to AMX_MAX_ROWS rows (AMX_MAX_ROWS_LONG_K over LONG_K inputs or more)
+    go through the AMX kernel; else, where the one-row
     kernel builds, the plain W, and a single row goes through it (its 121 products 12.6 against
     oneDNN's 14.8 ms: a whole decode step of one sequence 19.3 against 22.6 ms).
 
-    `batch_invariant=True` (the engine's deterministic mode) keeps every call on oneDNN's many-row
-    path, so that a row's result does not depend on how many rows share the call."""
+    `batch_invariant=True` (the engine's deterministic mode) gives a row the same bits whatever
+    the number of rows in the call: products over LONG_K inputs or more on the AMX kernel at any
+    row count (without it: oneDNN in blocks of INVARIANT_BLOCK_ROWS), the others on oneDNN's
+    many-row path (one row runs as two)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
@@ -72,7 +86,8 @@ class Linear:
         self.bias = bias
         self.prepacked = prepack
         kernel_bias = _NO_BIAS if bias is None else bias.to(torch.bfloat16).contiguous()
-        self.amx = None  # (kernel, W as AMX tiles, bias [out] or empty) for up to AMX_MAX_ROWS rows
+        self.amx = None  # (kernel, W as AMX tiles, bias [out] or empty) for up to amx_max_rows rows
+        self.amx_max_rows = AMX_MAX_ROWS_LONG_K if self.in_features >= LONG_K else AMX_MAX_ROWS
         self.one_row = None  # (kernel, plain W [out, in], bias [out] or empty) for single rows
         if prepack and self.in_features % 32 == 0:
             if self.out_features % 32 == 0 and (kernel := amx_linear_kernel()) is not None:
@@ -84,15 +99,28 @@ class Linear:
     def __call__(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:  # x: [T, in] -> [T, out]
         rows = x.shape[0]
         if batch_invariant:
+            if rows and self.in_features >= LONG_K:  # oneDNN's reduction order depends on the rows
+                return self._amx(x) if self.amx is not None else self._onednn_in_blocks(x)
             if rows == 1:  # oneDNN's one-row kernel rounds unlike the many-row one
                 return self._onednn(x.expand(2, -1).contiguous())[:1]
-        elif self.amx is not None and 0 < rows <= AMX_MAX_ROWS:
-            kernel, packed, bias = self.amx
-            return kernel.amx_linear(x.contiguous(), packed, bias)
+        elif self.amx is not None and 0 < rows <= self.amx_max_rows:
+            return self._amx(x)
         elif self.one_row is not None and rows == 1:
             kernel, weight, bias = self.one_row
             return kernel.one_row_linear(x.contiguous(), weight, bias)
         return self._onednn(x)
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        kernel, packed, bias = self.amx
+        return kernel.amx_linear(x.contiguous(), packed, bias)
+
+    def _onednn_in_blocks(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        """oneDNN on blocks of exactly INVARIANT_BLOCK_ROWS rows (the last zero-padded): every call
+        has the same shape, so oneDNN reduces each row in the same order whatever T is."""
+        rows = x.shape[0]
+        padded = torch.zeros(-(-rows // INVARIANT_BLOCK_ROWS) * INVARIANT_BLOCK_ROWS, x.shape[1], dtype=x.dtype)
+        padded[:rows] = x
+        return torch.cat([self._onednn(block) for block in padded.split(INVARIANT_BLOCK_ROWS)])[:rows]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         if self.prepacked:

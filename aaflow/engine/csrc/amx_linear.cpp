@@ -7,7 +7,8 @@
 // per 16 outputs, its K/32 tiles of 16 rows (pairs of k) x 16 outputs x 2 (VNNI); a thread takes a
 // band of 32 outputs at a time and streams its two runs of tiles, each tile multiplied with every
 // 16-row tile of x (read in place, it stays in cache; a last partial tile is copied into zero-padded
-// rows): 7.4 ms at 8 rows, 12.1 at 64. linear.py sends it up to AMX_MAX_ROWS rows; past ~200 rows
+// rows): 7.4 ms at 8 rows, 12.1 at 64. linear.py sends it up to AMX_MAX_ROWS rows (AMX_MAX_ROWS_LONG_K
+// for long reductions, which oneDNN orders by row count; any number in deterministic mode); past ~200 rows
 // oneDNN's blocking wins.
 //
 // Each output is one fp32 sum over k in the same order whatever the number of rows: a row's result
