@@ -71,9 +71,9 @@ class Linear:
     (measured here: ~1.3x faster at decode sizes, ~1.2x at prefill sizes), and one more copy of
     the weights is kept for a compiled kernel: on a CPU with AMX (and both sizes multiples of 32)
     W as AMX tiles, and up to AMX_MAX_ROWS rows (AMX_MAX_ROWS_LONG_K over LONG_K inputs or more)
-    go through the AMX kernel; else, where the one-row
-    kernel builds, the plain W, and a single row goes through it (its 121 products 12.6 against
-    oneDNN's 14.8 ms: a whole decode step of one sequence 19.3 against 22.6 ms).
+    go through the AMX kernel; else, where the one-row kernel builds, the plain W, and a single row
+    goes through it (its 121 products 12.6 against oneDNN's 14.8 ms: a whole decode step of one
+    sequence 19.3 against 22.6 ms).
 
     `batch_invariant=True` (the engine's deterministic mode) gives a row the same bits whatever
     the number of rows in the call: products over LONG_K inputs or more on the AMX kernel at any
