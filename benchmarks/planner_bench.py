@@ -94,9 +94,9 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     measured just before the cell (this shared machine's speed drifts). Returns (cells, profiles)."""
     from aaflow.calibration import model_key
     from aaflow.planning import plan_checked, replica_infos, workflow_spec
-    from aaflow.runtime import _builders
+    from aaflow.runtime import prompt_builders
 
-    builders, _, _ = _builders({"smollm2", args.downstream_model})
+    builders, _, _ = prompt_builders({"smollm2", args.downstream_model})
     tokenizer = builders["smollm2"].tokenizer
     infos = replica_infos(cluster)
     keys = {model: model_key(info) for model, info in infos.items()}  # compute-entry key per model

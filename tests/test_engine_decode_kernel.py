@@ -131,8 +131,8 @@ def test_engine_decode_through_the_kernel_is_as_close_to_fp32_as_its_product_pat
     folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
                              num_key_value_heads=2, num_hidden_layers=2)
     engines = [make_engine(folder, num_blocks=64, dtype=dtype) for dtype in ("bfloat16", "bfloat16", "float32")]
-    assert engines[0].runner.kernel_decode
-    engines[1].runner.kernel_decode = False
+    assert engines[0].runner.paths.kernel_decode
+    engines[1].runner.paths.kernel_decode = False
     logits = []
     for engine in engines:
         a, b = engine.new_sequence(), engine.new_sequence()
@@ -162,9 +162,9 @@ def test_short_prefill_chunks_through_the_kernel_are_as_close_to_fp32_as_their_t
     folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
                              num_key_value_heads=2, num_hidden_layers=2)
     engines = [make_engine(folder, num_blocks=64, dtype=dtype) for dtype in ("bfloat16", "bfloat16", "float32")]
-    engines[1].runner.kernel_decode = False
+    engines[1].runner.paths.kernel_decode = False
     for engine in engines:  # tiles, not the flash kernel, on every CPU
-        engine.runner.flash_prefill = False
+        engine.runner.paths.flash_prefill = False
     chunks = [[7, 8, 9], [11], [20 + i for i in range(40)], [30 + i for i in range(8)]]
     results, routed = [], []
     for engine in engines:
@@ -206,8 +206,8 @@ def test_a_large_batch_sharing_a_prefix_decodes_in_cascade_as_close_to_fp32_as_t
     folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
                              num_key_value_heads=2, num_hidden_layers=2)
     engines = [make_engine(folder, num_blocks=128, dtype=dtype) for dtype in ("bfloat16", "bfloat16", "float32")]
-    engines[0].runner.cascade_decode_batch, engines[1].runner.cascade_decode_batch = 3, None
-    engines[0].runner.cascade_decode_min_reads = 1024  # 12 x 160 shared tokens: cascade here
+    engines[0].runner.paths.cascade_decode_batch, engines[1].runner.paths.cascade_decode_batch = 3, None
+    engines[0].runner.paths.cascade_decode_min_reads = 1024  # 12 x 160 shared tokens: cascade here
     kinds, rests = [], []
     forward = engines[0].runner.model.forward
     monkeypatch.setattr(engines[0].runner.model, "forward",

@@ -70,7 +70,7 @@ def test_decode_as_products_gives_the_logits_of_the_gathered_flash_path(make_eng
     monkeypatch.setattr(run_attention.GatheredDecodeBatch, "build", _recorded(run_attention.GatheredDecodeBatch.build,
                                                                              batches))
     engines = [make_engine(tiny_llama_dir, num_blocks=64, dtype="float32") for _ in range(2)]
-    engines[0].runner.run_decode, engines[1].runner.run_decode = True, False
+    engines[0].runner.paths.run_decode, engines[1].runner.paths.run_decode = True, False
     logits = []
     for engine in engines:
         a, b = engine.new_sequence(), engine.new_sequence()

@@ -74,8 +74,8 @@ def test_engine_prefill_in_tiles_gives_the_flash_path_logits(make_engine, tiny_l
     fresh prompt, chunks over a context in one run of slots and over scattered blocks, and several
     sequences packed in one pass, against the flash kernel's paths."""
     engines = [make_engine(tiny_llama_dir, num_blocks=96, dtype="float32") for _ in range(2)]
-    engines[0].runner.tiled_prefill, engines[1].runner.tiled_prefill = True, False
-    engines[0].runner.flash_prefill = flash
+    engines[0].runner.paths.tiled_prefill, engines[1].runner.paths.tiled_prefill = True, False
+    engines[0].runner.paths.flash_prefill = flash
     results = []
     for engine in engines:
         a, b, c = engine.new_sequence(), engine.new_sequence(), engine.new_sequence()
@@ -139,8 +139,8 @@ def test_engine_pack_over_a_shared_prefix_in_cascade_gives_the_flash_path_logits
     monkeypatch.setattr(tiled_attention.TiledPrefillBatch, "build",
                         classmethod(lambda cls, *a, **k: built.append(build(*a, **k)) or built[-1]))
     engines = [make_engine(tiny_llama_dir, num_blocks=96, dtype="float32") for _ in range(2)]
-    engines[0].runner.tiled_prefill, engines[1].runner.tiled_prefill = True, False
-    engines[0].runner.flash_prefill = True
+    engines[0].runner.paths.tiled_prefill, engines[1].runner.paths.tiled_prefill = True, False
+    engines[0].runner.paths.flash_prefill = True
     prefix = [3 + (i * 7) % 250 for i in range(160)]
     results = []
     for engine in engines:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
-from aaflow.runtime import _builders
+from aaflow.runtime import prompt_builders
 from aaflow.runtime.backend import Backend
 from aaflow.runtime.executor import workflow_agents
 from aaflow.runtime.scheduler import Scheduler
@@ -65,7 +65,7 @@ def test_a_chain_issues_the_same_calls_on_ray_and_on_the_simulated_clock(two_rep
 
     cluster, model = two_replicas
     wf = fixed_length_chain(model)
-    builders, eos, _ = _builders({model})
+    builders, eos, _ = prompt_builders({model})
     on_ray, on_sim = Recording(RayBackend(cluster)), Recording(simulated(cluster, model))
     for backend in (on_ray, on_sim):
         Scheduler(workflow_agents(wf, builders, strategy), backend, eos).run()

@@ -90,10 +90,10 @@ def ref_engine():
 
 
 def _prompt_ids(wf, name, outputs) -> list[int]:
-    from aaflow.runtime import _builders
+    from aaflow.runtime import prompt_builders
 
     node = wf.nodes[name]
-    builder = _builders({node.model})[0][node.model]
+    builder = prompt_builders({node.model})[0][node.model]
     return [t for seg in builder.segments(wf, node) for t in (seg if isinstance(seg, tuple) else outputs[seg.agent])]
 
 

@@ -138,10 +138,10 @@ def test_a_context_read_by_many_agents_is_tokenized_once_per_run(tiny_cluster):
     """A run's prompt builder memoizes its texts: six agents over one document tokenize it once
     (and get the same ids as tokenizing it alone); the run's end-to-end time (`total_s`) covers
     the run's own wall time."""
-    from aaflow.runtime import _builders
+    from aaflow.runtime import prompt_builders
 
     cluster, model = tiny_cluster
-    builder = _builders({model})[0][model]
+    builder = prompt_builders({model})[0][model]
     encoded = []
     encode = builder.tokenizer.encode
     builder.tokenizer.encode = lambda text, **kw: encoded.append(text) or encode(text, **kw)

@@ -9,20 +9,13 @@ import itertools
 
 import torch
 
-from aaflow.engine.attention import AttentionBatch, prefill_parts
+from aaflow.engine.attention_paths import AttentionPaths
 from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
-from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CASCADE_DECODE_MIN_SHARED_READS, CascadeBatch,
-                                   decode_in_cascade, leading_run_blocks, shared_prefix_blocks)
-from aaflow.engine.decode_kernel import KernelDecodeBatch, KernelReads, supports as decode_kernel_supports
-from aaflow.engine.fixed_attention import FixedBatch
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
-from aaflow.engine.model import LlamaModel
-from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
-from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
 from aaflow.engine.kv_io import KVImportExport
+from aaflow.engine.model import LlamaModel
 from aaflow.engine.sequence import Sequence, padded_slots
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
-from aaflow.machine import matrix_isa
 
 
 class KVRunner(KVImportExport):
@@ -35,15 +28,7 @@ class KVRunner(KVImportExport):
         self.blocks = BlockManager(layout.num_blocks, layout.block_size)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
-        # bf16 attention as plain products: decode reads runs in place, prefill goes in tiles (with
-        # AMX through the flash kernel, which beats tiles there); fp32 keeps the flash kernel
-        self.run_decode = self.tiled_prefill = model.dtype != torch.float32
-        self.flash_prefill = prefill_kernel() == "flash"
-        # bf16 decode through the compiled kernel where it builds (it reads every context in place);
-        # with AMX, a large batch sharing a prefix reads it once in cascade (oneDNN's tile products)
-        self.kernel_decode = decode_kernel_supports(model.dtype, layout.head_dim)
-        self.cascade_decode_batch = CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None
-        self.cascade_decode_min_reads = CASCADE_DECODE_MIN_SHARED_READS
+        self.paths = AttentionPaths.for_engine(model.dtype, layout.head_dim, layout.block_size, model.deterministic)
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -245,15 +230,7 @@ class KVRunner(KVImportExport):
             self._grow(seq, len(chunk))
         contexts = [seq.slots(0, start + len(chunk), bs) for seq, chunk, start in zip(seqs, chunks, starts)]
         positions = [torch.arange(start, start + len(chunk)) for chunk, start in zip(chunks, starts)]
-        if self.model.deterministic:
-            batch = FixedBatch(list(zip(contexts, starts)))
-        elif self.tiled_prefill:
-            batch = TiledPrefillBatch.build(contexts, starts, kernel_rows=self.kernel_decode, flash=self.flash_prefill)
-        else:
-            shared = self._cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
-            batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])
-            if shared:
-                batch = CascadeBatch(seqs[0].slots(0, shared, bs), batch)
+        batch = self.paths.prefill(seqs, contexts, starts)
         ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long)  # [T]
         rows = None if all_logits else torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
         logits = self.model.forward(ids, torch.cat(positions), self.cache, batch, logit_rows=rows)
@@ -262,15 +239,6 @@ class KVRunner(KVImportExport):
             self.blocks.tokens_computed += len(chunk)
             self._seal_full_blocks(seq)
         return logits  # [rows, vocab]
-
-    def _cascade_prefix(self, seqs: list[Sequence], first_new: int, decode: bool = False) -> int:
-        """Tokens at the start of every context that attention reads once, apart from the rest
-        (cascade): the blocks several sequences share, or one sequence's leading run of blocks
-        (read in place). `first_new`: the earliest position written in this pass (one sequence)."""
-        bs = self.layout.block_size
-        if len(seqs) > 1:
-            return shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
-        return leading_run_blocks(seqs[0].block_table, first_new // bs, bs, decode) * bs
 
     def decode(self, seq_ids: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token to each sequence in one batched pass; returns logits [B, vocab]."""
@@ -287,27 +255,9 @@ class KVRunner(KVImportExport):
             self._grow(seq, 1)
         lengths = [len(seq) + 1 for seq in seqs]  # each context, its new token's included
         slots = padded_slots(seqs, lengths, bs)  # [B, max(lengths)]
-        contexts = [row[:n] for row, n in zip(slots, lengths)]
         write = slots[torch.arange(len(seqs)), torch.tensor(lengths) - 1]  # [B]
         positions = torch.tensor([len(seq) for seq in seqs])
-        if self.model.deterministic:
-            batch = FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
-        elif self.kernel_decode and not decode_in_cascade([s.block_table for s in seqs], bs, self.cascade_decode_batch,
-                                                          self.cascade_decode_min_reads):
-            batch = KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
-        elif self.run_decode and reads_in_place_pays([c.numel() for c in contexts], [s.block_table for s in seqs], bs):
-            batch = RunsDecodeBatch.build(write, contexts)
-        else:
-            shared = self._cascade_prefix(seqs, len(seqs[0]), decode=True)
-            if self.run_decode and not shared:
-                batch = GatheredDecodeBatch.build(write, contexts)
-            elif shared and self.kernel_decode:  # the kernel attends each rest and merges the prefix's part
-                rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
-                batch = CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
-            else:
-                batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
-                if shared:
-                    batch = CascadeBatch(contexts[0][:shared], batch)
+        batch = self.paths.decode(seqs, slots, lengths, write)
         logits = self.model.forward(torch.tensor(token_ids), positions, self.cache, batch)
         for seq, tok in zip(seqs, token_ids):
             seq.token_ids.append(tok)

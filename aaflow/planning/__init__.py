@@ -144,10 +144,10 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
             `af.init` picks on this CPU); a live cluster's replicas report their own.
     Returns a `aaflow.planning.plans.Plan`; `print(plan.explain())` shows why each choice was made.
     """
-    from aaflow.runtime import _builders, _check_sizes
+    from aaflow.runtime import _check_sizes, prompt_builders
 
     workflow.validate(served_models={m for _, m in replica_names(cluster)})
-    builders, _, limits = _builders({a.model for a in workflow.agents()})
+    builders, _, limits = prompt_builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits)
     return plan_checked(workflow, cluster, builders, hardware, link, chunk_tokens, transport, progress, dtype)
 

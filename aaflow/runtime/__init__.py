@@ -13,10 +13,10 @@ from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
 from aaflow.runtime.results import AgentResult, RunResult
 
-__all__ = ["AgentFailedError", "AgentResult", "RunResult", "run"]
+__all__ = ["AgentFailedError", "AgentResult", "RunResult", "prompt_builders", "run"]
 
 
-def _builders(models: set[str]) -> tuple[dict, dict, dict]:
+def prompt_builders(models: set[str]) -> tuple[dict, dict, dict]:
     """Per model: a prompt builder (fresh: its tokenization memo lasts one run), its end-of-sequence
     token ids and its position limit."""
     builders, eos, limits = {}, {}, {}
@@ -94,7 +94,7 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     called = time.perf_counter()
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
-    builders, eos, limits = _builders({a.model for a in workflow.agents()})
+    builders, eos, limits = prompt_builders({a.model for a in workflow.agents()})
     _check_sizes(workflow, builders, limits, cluster)
     events = []
     planning_s = 0.0

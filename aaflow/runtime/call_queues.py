@@ -67,7 +67,8 @@ class CallQueues:
                 self._start(name, call, lambda out, ds=decoding, a=answer: self._on_mixed(ds, a, out))
             elif decoding and (not queue or not self.last_kind.get(name, CallKind.OPEN).steps):
                 only = len(self.replicas) - len(dead) == 1
-                self._step(name, decoding, 1 if queue else steps_per_call(decoding, self.scheduler.streaming_readers, only))
+                steps = 1 if queue else steps_per_call(decoding, self.scheduler.streaming_readers, only)
+                self._step(name, decoding, steps)
             elif queue:
                 call, then = self._pack(name) if queue[0][0].kind is CallKind.PREFILL else queue.popleft()
                 self._start(name, self._lend(name, call), then)

@@ -1,0 +1,88 @@
+"""Which attention path a forward pass takes: the batch object `LlamaModel.forward` dispatches on,
+chosen from the engine's dtype, the CPU and the sequences' block tables.
+
+Prefill: deterministic mode's fixed tiles; in bf16 tiles of plain products (with AMX through the
+flash kernel, which beats tiles there); in fp32 the flash kernel over each context, with a prefix
+every sequence shares attended once (cascade). Decode: deterministic mode's fixed tiles; in bf16 the
+compiled kernel, unless a large batch shares a long prefix (cascade on AMX); else runs of blocks read
+in place, gathered contexts, or a shared prefix in cascade.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from aaflow.engine.attention import AttentionBatch, prefill_parts
+from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CASCADE_DECODE_MIN_SHARED_READS, CascadeBatch,
+                                   decode_in_cascade, leading_run_blocks, shared_prefix_blocks)
+from aaflow.engine.decode_kernel import KernelDecodeBatch, KernelReads, supports as decode_kernel_supports
+from aaflow.engine.fixed_attention import FixedBatch
+from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
+from aaflow.engine.sequence import Sequence
+from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
+from aaflow.machine import matrix_isa
+
+
+@dataclass
+class AttentionPaths:
+    """The paths an engine may take (tests switch them to compare paths on one engine)."""
+
+    block_size: int
+    deterministic: bool
+    tiled_prefill: bool  # bf16 prefill as tiles of products
+    flash_prefill: bool  # ... through the flash kernel (AMX) instead of plain tiles
+    run_decode: bool  # bf16 decode as products over runs of blocks read in place
+    kernel_decode: bool  # bf16 decode (and prefill chunks of up to 8 tokens) in the compiled kernel
+    cascade_decode_batch: int | None  # with AMX, decode batches this large sharing a prefix go in cascade
+    cascade_decode_min_reads: int  # ... once the prefix's tokens x the sequences reach this
+
+    @classmethod
+    def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int, deterministic: bool) -> "AttentionPaths":
+        bf16 = dtype != torch.float32
+        return cls(block_size, deterministic, tiled_prefill=bf16, flash_prefill=prefill_kernel() == "flash",
+                   run_decode=bf16, kernel_decode=decode_kernel_supports(dtype, head_dim),
+                   cascade_decode_batch=CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None,
+                   cascade_decode_min_reads=CASCADE_DECODE_MIN_SHARED_READS)
+
+    def prefill(self, seqs: list[Sequence], contexts: list[torch.Tensor], starts: list[int]):
+        """The batch of a pass over a chunk of each sequence: contexts[n] [len_n] slots up to the
+        chunk's end, starts[n] the chunk's first position."""
+        if self.deterministic:
+            return FixedBatch(list(zip(contexts, starts)))
+        if self.tiled_prefill:
+            return TiledPrefillBatch.build(contexts, starts, kernel_rows=self.kernel_decode, flash=self.flash_prefill)
+        shared = self.cascade_prefix(seqs, min(starts))  # tokens every context starts with, attended apart
+        batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])
+        return CascadeBatch(seqs[0].slots(0, shared, self.block_size), batch) if shared else batch
+
+    def decode(self, seqs: list[Sequence], slots: torch.Tensor, lengths: list[int], write: torch.Tensor):
+        """The batch of a decode step: slots [B, max(lengths)] each context's slots (its new token's
+        included, padded past lengths[b]), write [B] the new tokens' slots."""
+        contexts = [row[:n] for row, n in zip(slots, lengths)]
+        tables = [s.block_table for s in seqs]
+        if self.deterministic:
+            return FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
+        if self.kernel_decode and not decode_in_cascade(tables, self.block_size, self.cascade_decode_batch,
+                                                        self.cascade_decode_min_reads):
+            return KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
+        if self.run_decode and reads_in_place_pays([c.numel() for c in contexts], tables, self.block_size):
+            return RunsDecodeBatch.build(write, contexts)
+        shared = self.cascade_prefix(seqs, len(seqs[0]), decode=True)
+        if self.run_decode and not shared:
+            return GatheredDecodeBatch.build(write, contexts)
+        if shared and self.kernel_decode:  # the kernel attends each rest and merges the prefix's part
+            rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
+            return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
+        batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
+        return CascadeBatch(contexts[0][:shared], batch) if shared else batch
+
+    def cascade_prefix(self, seqs: list[Sequence], first_new: int, decode: bool = False) -> int:
+        """Tokens at the start of every context that attention reads once, apart from the rest
+        (cascade): the blocks several sequences share, or one sequence's leading run of blocks
+        (read in place). `first_new`: the earliest position written in this pass (one sequence)."""
+        bs = self.block_size
+        if len(seqs) > 1:
+            return shared_prefix_blocks([seq.block_table for seq in seqs], bs) * bs
+        return leading_run_blocks(seqs[0].block_table, first_new // bs, bs, decode) * bs
