@@ -76,3 +76,5 @@ def test_deterministic_logits_stay_close_to_the_default_path(smollm2_dir, det_en
     err = float((one_pass - ref).norm() / ref.norm())
     assert err < 2e-2, f"deterministic vs default bf16 logits: relative error {err:.2e}"
     assert (one_pass.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    default.runner.model.deterministic = True  # switched on a live engine, as `aaflow bench engine` does
+    _assert_identical(_prefill(default, prompt, 128), one_pass, "default engine switched to deterministic")

@@ -27,10 +27,10 @@ from aaflow.machine import matrix_isa
 
 @dataclass
 class AttentionPaths:
-    """The paths an engine may take (tests switch them to compare paths on one engine)."""
+    """The paths an engine may take (tests switch them to compare paths on one engine). Deterministic
+    mode is the model's flag, read on every pass (`aaflow bench engine` switches it on one engine)."""
 
     block_size: int
-    deterministic: bool
     tiled_prefill: bool  # bf16 prefill as tiles of products
     flash_prefill: bool  # ... through the flash kernel (AMX) instead of plain tiles
     run_decode: bool  # bf16 decode as products over runs of blocks read in place
@@ -39,17 +39,17 @@ class AttentionPaths:
     cascade_decode_min_reads: int  # ... once the prefix's tokens x the sequences reach this
 
     @classmethod
-    def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int, deterministic: bool) -> "AttentionPaths":
+    def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> "AttentionPaths":
         bf16 = dtype != torch.float32
-        return cls(block_size, deterministic, tiled_prefill=bf16, flash_prefill=prefill_kernel() == "flash",
+        return cls(block_size, tiled_prefill=bf16, flash_prefill=prefill_kernel() == "flash",
                    run_decode=bf16, kernel_decode=decode_kernel_supports(dtype, head_dim),
                    cascade_decode_batch=CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None,
                    cascade_decode_min_reads=CASCADE_DECODE_MIN_SHARED_READS)
 
-    def prefill(self, seqs: list[Sequence], contexts: list[torch.Tensor], starts: list[int]):
+    def prefill(self, seqs: list[Sequence], contexts: list[torch.Tensor], starts: list[int], deterministic: bool):
         """The batch of a pass over a chunk of each sequence: contexts[n] [len_n] slots up to the
         chunk's end, starts[n] the chunk's first position."""
-        if self.deterministic:
+        if deterministic:
             return FixedBatch(list(zip(contexts, starts)))
         if self.tiled_prefill:
             return TiledPrefillBatch.build(contexts, starts, kernel_rows=self.kernel_decode, flash=self.flash_prefill)
@@ -57,12 +57,13 @@ class AttentionPaths:
         batch = prefill_parts([(c[start:], c[shared:], start - shared) for c, start in zip(contexts, starts)])
         return CascadeBatch(seqs[0].slots(0, shared, self.block_size), batch) if shared else batch
 
-    def decode(self, seqs: list[Sequence], slots: torch.Tensor, lengths: list[int], write: torch.Tensor):
+    def decode(self, seqs: list[Sequence], slots: torch.Tensor, lengths: list[int], write: torch.Tensor,
+               deterministic: bool):
         """The batch of a decode step: slots [B, max(lengths)] each context's slots (its new token's
         included, padded past lengths[b]), write [B] the new tokens' slots."""
         contexts = [row[:n] for row, n in zip(slots, lengths)]
         tables = [s.block_table for s in seqs]
-        if self.deterministic:
+        if deterministic:
             return FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
         if self.kernel_decode and not decode_in_cascade(tables, self.block_size, self.cascade_decode_batch,
                                                         self.cascade_decode_min_reads):

@@ -28,7 +28,7 @@ class KVRunner(KVImportExport):
         self.blocks = BlockManager(layout.num_blocks, layout.block_size)
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count(1)
-        self.paths = AttentionPaths.for_engine(model.dtype, layout.head_dim, layout.block_size, model.deterministic)
+        self.paths = AttentionPaths.for_engine(model.dtype, layout.head_dim, layout.block_size)
 
     # --- lifecycle ------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -230,7 +230,7 @@ class KVRunner(KVImportExport):
             self._grow(seq, len(chunk))
         contexts = [seq.slots(0, start + len(chunk), bs) for seq, chunk, start in zip(seqs, chunks, starts)]
         positions = [torch.arange(start, start + len(chunk)) for chunk, start in zip(chunks, starts)]
-        batch = self.paths.prefill(seqs, contexts, starts)
+        batch = self.paths.prefill(seqs, contexts, starts, self.model.deterministic)
         ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long)  # [T]
         rows = None if all_logits else torch.tensor([len(c) for c in chunks]).cumsum(0) - 1
         logits = self.model.forward(ids, torch.cat(positions), self.cache, batch, logit_rows=rows)
@@ -257,7 +257,7 @@ class KVRunner(KVImportExport):
         slots = padded_slots(seqs, lengths, bs)  # [B, max(lengths)]
         write = slots[torch.arange(len(seqs)), torch.tensor(lengths) - 1]  # [B]
         positions = torch.tensor([len(seq) for seq in seqs])
-        batch = self.paths.decode(seqs, slots, lengths, write)
+        batch = self.paths.decode(seqs, slots, lengths, write, self.model.deterministic)
         logits = self.model.forward(torch.tensor(token_ids), positions, self.cache, batch)
         for seq, tok in zip(seqs, token_ids):
             seq.token_ids.append(tok)
