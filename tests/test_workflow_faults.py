@@ -47,6 +47,31 @@ def test_a_failed_transfer_falls_back_to_recompute(fresh_cluster):
     assert any("recomputing instead" in e for e in res.events)
 
 
+def test_a_shared_prefix_gone_with_a_restarted_replica_does_not_fail_the_finished_run(fresh_cluster, monkeypatch):
+    """A replica that dies after the run's last use of a shared prefix and is restarted by Ray
+    before the run frees it answers the free with KVRefFreedError (chaos test, fan_out/transfer):
+    the agents' texts stand, nothing is left to free. Simulated: every free answers so after freeing."""
+    from aaflow.errors import KVRefFreedError
+    from aaflow.runtime.calls import CallKind
+    from cluster.ray_backend import RayBackend
+
+    cluster, model = fresh_cluster
+    wf = fan_out(model)
+    expected = {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+    real_result = RayBackend.result
+
+    def lost_after_free(self, ticket):
+        value = real_result(self, ticket)
+        if ticket.call.kind is CallKind.FREE:
+            raise KVRefFreedError(f"no KVRef {ticket.call.args[0]} on replica {ticket.replica}")
+        return value
+
+    monkeypatch.setattr(RayBackend, "result", lost_after_free)
+    res = af.run(wf, cluster, strategy="transfer")
+    assert {n: a.token_ids for n, a in res.agents.items()} == expected
+    assert any("no prefix left to free" in e for e in res.events), res.events
+
+
 def test_a_failing_upstream_agent_stops_its_consumers_with_a_clear_error(fresh_cluster):
     import time
 

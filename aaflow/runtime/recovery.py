@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from aaflow.errors import AAFlowError, KVCapacityError
+from aaflow.errors import AAFlowError, KVCapacityError, KVRefFreedError
 from aaflow.runtime.calls import Call, CallKind
 
 if TYPE_CHECKING:
@@ -202,6 +202,9 @@ class Recovery:
 
     def call_failed(self, ticket: Ticket, exc: BaseException, preempt: bool = True) -> None:
         s = self.scheduler
+        if ticket.call.kind is CallKind.FREE and isinstance(exc, KVRefFreedError):  # restarted by Ray meanwhile
+            s.events.append(f"{s.now():.2f}s {ticket.replica} was restarted: no prefix left to free")
+            return
         if preempt and isinstance(exc, KVCapacityError) and not ticket.call.kind.transfers:
             self.kv_short(ticket, exc)
             return

@@ -25,6 +25,7 @@ from __future__ import annotations
 import uuid
 from bisect import insort
 
+from aaflow.errors import KVRefFreedError
 from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaLostError
@@ -302,3 +303,5 @@ class Scheduler:
                     then(self.backend.result(ticket))
                 except ReplicaLostError:  # died after its agents finished: nothing to free
                     self.dead.add(ticket.replica)
+                except KVRefFreedError:  # it died and Ray restarted it meanwhile: the ref went with it
+                    self.events.append(f"{self.now():.2f}s {ticket.replica} was restarted: no prefix left to free")
