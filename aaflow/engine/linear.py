@@ -118,8 +118,7 @@ class Linear:
         """oneDNN on blocks of exactly INVARIANT_BLOCK_ROWS rows (the last zero-padded): every call
         has the same shape, so oneDNN reduces each row in the same order whatever T is."""
         rows = x.shape[0]
-        padded = torch.zeros(-(-rows // INVARIANT_BLOCK_ROWS) * INVARIANT_BLOCK_ROWS, x.shape[1], dtype=x.dtype)
-        padded[:rows] = x
+        padded = F.pad(x, (0, 0, 0, -rows % INVARIANT_BLOCK_ROWS))  # [T rounded up to a whole block, in]
         return torch.cat([self._onednn(block) for block in padded.split(INVARIANT_BLOCK_ROWS)])[:rows]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:

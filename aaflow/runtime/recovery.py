@@ -200,10 +200,16 @@ class Recovery:
         for name in [n for n, r in s.admission.gated.items() if r == rname]:
             del s.admission.gated[name]
 
+    def free_found_nothing(self, rname: str) -> None:
+        """A free answered KVRefFreedError: the replica died and Ray restarted it since the ref was
+        made, and the ref went with it; there is nothing left to free."""
+        s = self.scheduler
+        s.events.append(f"{s.now():.2f}s {rname} was restarted: no prefix left to free")
+
     def call_failed(self, ticket: Ticket, exc: BaseException, preempt: bool = True) -> None:
         s = self.scheduler
-        if ticket.call.kind is CallKind.FREE and isinstance(exc, KVRefFreedError):  # restarted by Ray meanwhile
-            s.events.append(f"{s.now():.2f}s {ticket.replica} was restarted: no prefix left to free")
+        if ticket.call.kind is CallKind.FREE and isinstance(exc, KVRefFreedError):
+            self.free_found_nothing(ticket.replica)
             return
         if preempt and isinstance(exc, KVCapacityError) and not ticket.call.kind.transfers:
             self.kv_short(ticket, exc)

@@ -303,5 +303,5 @@ class Scheduler:
                     then(self.backend.result(ticket))
                 except ReplicaLostError:  # died after its agents finished: nothing to free
                     self.dead.add(ticket.replica)
-                except KVRefFreedError:  # it died and Ray restarted it meanwhile: the ref went with it
-                    self.events.append(f"{self.now():.2f}s {ticket.replica} was restarted: no prefix left to free")
+                except KVRefFreedError:
+                    self.recovery.free_found_nothing(ticket.replica)
