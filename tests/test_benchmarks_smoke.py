@@ -150,3 +150,16 @@ def test_report_table_verdicts_from_a_workflows_json(tmp_path):
     md.write_text(f"intro\n{BEGIN}\nold\n{END}\nrest\n")
     rewrite(md, table)
     assert md.read_text().startswith(f"intro\n{BEGIN}\nRun:") and md.read_text().endswith(f"{END}\nrest\n")
+
+
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_workflows_repeat_order_is_balanced(n):
+    from benchmarks.workflows_bench import repeat_order
+
+    sides = [f"s{i}" for i in range(n)]
+    orders = [repeat_order(sides, r) for r in range(n)]
+    assert all(sorted(o) == sorted(sides) for o in orders)
+    assert sorted(o[0] for o in orders) == sorted(sides)  # each side first once
+    pairs = [(o[i], o[i + 1]) for o in orders for i in range(n - 1)]
+    assert len(set(pairs)) == len(pairs) == n * (n - 1)  # each side right after each other side once
+    assert repeat_order(sides, n) == orders[0]

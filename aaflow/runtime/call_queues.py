@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Callable
 
-from aaflow.runtime.backend import Backend, Ticket
+from aaflow.errors import KVRefFreedError
+from aaflow.runtime.backend import Backend, ReplicaLostError, Ticket
 from aaflow.runtime.calls import Call, CallKind
 from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
 from aaflow.runtime.packing import Queued, pack_prefills
@@ -45,6 +46,24 @@ class CallQueues:
     def call(self, replica: str, kind: CallKind, *args, then: Callable | None = None) -> None:
         """Queue a call on `replica`; `then(value)` runs when it has ended."""
         self.queues[replica].append((Call(kind, args), then))
+
+    def drain(self, timeout_s: float) -> None:
+        """Run what is still queued once every agent has ended (session closes, releases, the shared
+        prefixes' frees), so that no KV outlives the run; each round waits for every call in flight."""
+        dead = self.scheduler.dead
+        while any(self.queues[r] for r in self.queues if r not in dead) or self.inflight:
+            self.launch()
+            ready = self.backend.wait(list(self.inflight), len(self.inflight), timeout_s)
+            if not ready:
+                break
+            for ticket in ready:
+                then = self.finish(ticket)
+                try:
+                    then(self.backend.result(ticket))
+                except ReplicaLostError:  # died after its agents finished: nothing to free
+                    dead.add(ticket.replica)
+                except KVRefFreedError:
+                    self.scheduler.recovery.free_found_nothing(ticket.replica)
 
     def launch(self) -> None:
         """Start a call on every live replica that has none in flight and something to do."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import uuid
 from bisect import insort
 
-from aaflow.errors import KVRefFreedError
 from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaLostError
@@ -251,7 +250,8 @@ class Scheduler:
         except BaseException:
             self.recovery.cleanup()
             raise
-        self._finish_queued()
+        self.prefixes.free_all()
+        self.queues.drain(self.call_timeout_s)
 
     def dispose(self) -> None:
         """Drop the links to its parts, which point back at it: a finished scheduler is then freed
@@ -286,22 +286,3 @@ class Scheduler:
                 self.recovery.call_failed(ticket, cause)
             else:
                 then(value)
-
-    def _finish_queued(self) -> None:
-        """Run what is still queued (session closes, releases) and free the shared prefixes, so that
-        no KV outlives the run; each round waits for every call in flight."""
-        self.prefixes.free_all()
-        queues = self.queues
-        while any(queues.queues[r] for r in queues.queues if r not in self.dead) or queues.inflight:
-            queues.launch()
-            ready = self.backend.wait(list(queues.inflight), len(queues.inflight), self.call_timeout_s)
-            if not ready:
-                break
-            for ticket in ready:
-                then = queues.finish(ticket)
-                try:
-                    then(self.backend.result(ticket))
-                except ReplicaLostError:  # died after its agents finished: nothing to free
-                    self.dead.add(ticket.replica)
-                except KVRefFreedError:
-                    self.recovery.free_found_nothing(ticket.replica)
