@@ -47,6 +47,28 @@ def _greedy(logits: torch.Tensor) -> list[int]:  # [R, vocab] -> R token ids
     return logits.argmax(-1).view(-1).tolist()
 
 
+def stream_chunk_tokens(system_tokens: int, a_tokens: int) -> int:
+    """B's prompt tokens riding each of A's decode steps: its streamable part spread over A's steps."""
+    return -(-(system_tokens + a_tokens) // (a_tokens - 1))
+
+
+def _decode_together(engine, seqs: list[int], tokens: list[int], steps: int) -> list[list[int]]:
+    """`steps` batched greedy decode steps of `seqs` after their first `tokens`; each one's tokens."""
+    outs = [[t] for t in tokens]
+    for _ in range(steps):
+        tokens = _greedy(engine.decode(seqs, tokens))
+        for out, t in zip(outs, tokens):
+            out.append(t)
+    return outs
+
+
+def _forks(engine, prefix: list[int], n: int) -> tuple[int, list[int]]:
+    """`prefix` prefilled once and forked `n` times, as the prefix cache would serve it to n prompts."""
+    shared = engine.new_sequence()
+    engine.prefill(shared, prefix)
+    return shared, [engine.fork(shared) for _ in range(n)]
+
+
 def a_b_schedules(engine, a_prompt: list[int], system: list[int], question: list[int],
                   a_tokens: int) -> tuple[dict, dict]:
     """One A->B pair as `text` and as `stream` on `engine`: seconds for each phase, and the tokens
@@ -59,13 +81,13 @@ def a_b_schedules(engine, a_prompt: list[int], system: list[int], question: list
         token = _greedy(engine.prefill(a, a_prompt))[0]
         a_first = time.perf_counter()
         a_out, fed, steps = [token], 0, []  # fed: B's prompt tokens already prefilled (stream)
-        per_step = -(-(len(system) + a_tokens) // (a_tokens - 1))  # B's streamable tokens over A's steps
+        per_step = stream_chunk_tokens(len(system), a_tokens)
         for _ in range(a_tokens - 1):
             s0 = time.perf_counter()
             if name == "stream":
                 ready = system + a_out  # B's prompt up to A's tokens so far
-                chunk = ready[fed:fed + per_step]
-                logits, _ = engine.prefill_packed([a, b], [[token], chunk]) if chunk else (engine.decode([a], [token]), 0)
+                chunk = ready[fed:fed + per_step]  # never empty: A's newest token is always ready
+                logits, _ = engine.prefill_packed([a, b], [[token], chunk])
                 fed += len(chunk)
             else:
                 logits = engine.decode([a], [token])
@@ -114,17 +136,9 @@ def batched_a_b_text(engine, pairs: int, system: list[int], a_tokens: int, quest
     prompts = [_ids(24, 100 + i) for i in range(pairs)]
     logits, _ = engine.prefill_packed(a_seqs, prompts)
     a_first = time.perf_counter()
-    tokens = _greedy(logits)
-    outs = [[t] for t in tokens]
-    s0 = time.perf_counter()
-    for _ in range(a_tokens - 1):
-        tokens = _greedy(engine.decode(a_seqs, tokens))
-        for o, t in zip(outs, tokens):
-            o.append(t)
-    a_steps = time.perf_counter() - s0
-    shared = engine.new_sequence()  # B's system prompt, computed once and forked, as the prefix cache would
-    engine.prefill(shared, system)
-    b_seqs = [engine.fork(shared) for _ in range(pairs)]
+    outs = _decode_together(engine, a_seqs, _greedy(logits), a_tokens - 1)
+    a_steps = time.perf_counter() - a_first
+    shared, b_seqs = _forks(engine, system, pairs)
     engine.prefill_packed(b_seqs, [o + question for o in outs])
     response = time.perf_counter() - a_first
     for s in a_seqs + b_seqs + [shared]:
@@ -136,28 +150,18 @@ def map_reduce_text(engine, doc: list[int], tokens: int) -> dict:
     """3 reviewers + a meta-reviewer over `doc` as `text` in process; seconds per phase."""
     engine.clear_prefix_cache()
     t0 = time.perf_counter()
-    shared = engine.new_sequence()  # the document once, forked to each reviewer
-    engine.prefill(shared, doc)
-    revs = [engine.fork(shared) for _ in range(3)]
+    shared, revs = _forks(engine, doc, 3)
     logits, _ = engine.prefill_packed(revs, [_ids(12, 200 + i) for i in range(3)])
-    prompts_done = time.perf_counter()
-    toks = _greedy(logits)
-    outs = [[t] for t in toks]
-    for _ in range(tokens - 1):
-        toks = _greedy(engine.decode(revs, toks))
-        for o, t in zip(outs, toks):
-            o.append(t)
+    outs = _decode_together(engine, revs, _greedy(logits), tokens - 1)
     reviews_done = time.perf_counter()
     meta = engine.new_sequence()
     token = _greedy(engine.prefill(meta, doc + [t for o in outs for t in o] + _ids(14, 300)))[0]
-    meta_prompt_done = time.perf_counter()
-    for _ in range(tokens - 1):
-        token = _greedy(engine.decode([meta], [token]))[0]
-    end = time.perf_counter()
+    meta_prompt_s = time.perf_counter() - reviews_done
+    _decode_together(engine, [meta], [token], tokens - 1)
+    latency = time.perf_counter() - t0
     for s in revs + [meta, shared]:
         engine.free(s)
-    return {"latency_s": end - t0, "meta_prompt_s": meta_prompt_done - reviews_done,
-            "critical_path_s": (prompts_done - t0) + (reviews_done - prompts_done) + (end - meta_prompt_done)}
+    return {"latency_s": latency, "meta_prompt_s": meta_prompt_s, "critical_path_s": latency - meta_prompt_s}
 
 
 def _median_of(rows: list[dict], key: str) -> float:
@@ -202,7 +206,7 @@ def run(args) -> dict:
         mr.append(map_reduce_text(engine, system, 32))
     text = {k: _median_of([p["text"] for p in pairs], k) for k in pairs[0]["text"]}
     stream = {k: _median_of([p["stream"] for p in pairs], k) for k in pairs[0]["stream"]}
-    chunk = -(-(args.system_tokens + args.a_tokens) // (args.a_tokens - 1))
+    chunk = stream_chunk_tokens(args.system_tokens, args.a_tokens)
     linear = linear_seconds(engine, [1, 1 + chunk, int(text["b_tokens_after_a"])])
     bounds = a_b_x1_bounds(text, stream, _median_of(one_thread, "a_steps_s"), linear, chunk)
     speedups = {k: text["response_s"] / v for k, v in bounds.items() if not k.startswith("linear")}
