@@ -168,6 +168,8 @@ class Cluster:
         only disconnects: the deployment's replicas keep running for other clients."""
         import ray
 
+        for service in self.__dict__.pop("_run_services", {}).values():  # the runs' scheduling loops
+            service.stop()
         if not self._attached:
             self.terminate()
         self._replicas, self._closed = [], True

@@ -7,13 +7,14 @@ import threading
 import time
 
 from aaflow.errors import AAFlowError, WorkflowError
-from aaflow.runtime.executor import execute, workflow_agents
+from aaflow.runtime.executor import workflow_agents
 from aaflow.runtime.kvops import check_replicas
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
 from aaflow.runtime.results import AgentResult, RunResult
+from aaflow.runtime.service import RunCancelledError, RunHandle, service_for
 
-__all__ = ["AgentFailedError", "AgentResult", "RunResult", "prompt_builders", "run"]
+__all__ = ["AgentFailedError", "AgentResult", "RunCancelledError", "RunHandle", "RunResult", "prompt_builders", "run"]
 
 
 def prompt_builders(models: set[str]) -> tuple[dict, dict, dict]:
@@ -69,7 +70,8 @@ def _check_sizes(wf, builders, limits, cluster=None) -> None:
 
 
 def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
-        transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None) -> RunResult:
+        transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None,
+        timeout_s: float | None = None) -> RunResult:
     """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
 
     Args:
@@ -90,6 +92,11 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
             on their threads too (`aaflow.runtime.core_lending`; each loan is in `events`).
         on_token: called as `on_token(agent, token_id)` for each token as it is decoded (streaming).
         on_agent: called as `on_agent(agent, text)` as each agent finishes.
+        timeout_s: end the run (freeing its KV) with `RunCancelledError` once it has run this long.
+
+    Every run on a cluster, from any thread, goes to the cluster's one scheduling loop
+    (`aaflow.runtime.service`): concurrent runs are batched together on the replicas.
+    Callbacks run on that loop's thread: keep them short.
     """
     called = time.perf_counter()
     workflow.validate(served_models=cluster.models)
@@ -110,12 +117,15 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     decisions = plan.decisions if strategy == "auto" and plan is not None else None
     if decisions:
         events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
-    from cluster.ray_backend import RayBackend
-
     agents = workflow_agents(workflow, builders, strategy, decisions)
-    result = execute(workflow, agents, RayBackend(cluster), builders, eos, strategy, events, chunk_tokens=chunk_tokens,
-                     call_timeout_s=call_timeout_s, transport=transport, lend_cores=lend_cores, on_token=on_token,
-                     on_agent=on_agent)
+    service = service_for(cluster, chunk_tokens, call_timeout_s, transport, lend_cores)
+    handle = service.submit(workflow, agents, builders, eos, strategy, events, on_token=on_token, on_agent=on_agent,
+                            timeout_s=timeout_s)
+    try:
+        result = handle.result()
+    except BaseException:
+        handle.cancel()  # interrupted (Ctrl-C): the run's KV is freed
+        raise
     result.planning_s = planning_s
     result.total_s = time.perf_counter() - called
     return result

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aaflow.runtime.kvops import KVDirective
 from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
@@ -56,6 +56,7 @@ class AgentState:
     start_s: float = 0.0  # when it was placed
     end_s: float = 0.0  # its last token
     prefix_via: str = ""  # how its prefix arrived: "reuse", "transfer" or "recompute"
+    dropped: bool = False  # its run failed or was cancelled: "done" without its output
     upstream: tuple[str, ...] = field(init=False)  # the agents it reads, in prompt order
     streams: bool = field(init=False)  # prefills upstream tokens while the upstream still decodes
     _prefix_key: tuple | None = field(default=None, init=False, repr=False)
@@ -91,3 +92,14 @@ class AgentState:
         self.output, self.result.decoded, self.result.first_token_s = [], 0, None
         for counter in ("prefill_computed", "prefill_reused", "streamed_tokens", "prompt_tokens"):
             setattr(self.result, counter, 0)
+
+
+def namespaced(agents: dict[str, AgentState], prefix: str) -> dict[str, AgentState]:
+    """The agents renamed `prefix + name` (their inputs and readers too), so that the agents of many
+    runs live apart in one scheduler; their results keep the workflow's names."""
+    renamed = {}
+    for a in agents.values():
+        segments = [AgentInput(prefix + s.agent) if isinstance(s, AgentInput) else s for s in a.segments]
+        renamed[prefix + a.name] = replace(a, name=prefix + a.name, segments=segments,
+                                           consumers=[prefix + c for c in a.consumers], result=a.result)
+    return renamed

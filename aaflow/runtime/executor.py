@@ -62,16 +62,27 @@ def execute(workflow, agents: dict[str, AgentState], backend, builders: dict, eo
     scheduler = Scheduler(agents, backend, eos, on_token=on_token, on_done=done if on_agent else None, **options)
     scheduler.events.extend(events)
     scheduler.run()
+    return collect(workflow, agents, builders, strategy, scheduler.now(), scheduler.events, scheduler.prefixes.computed)
+
+
+def collect(workflow, agents: dict[str, AgentState], builders: dict, strategy: str, wall_s: float,
+            events: list[str], shared_computed: int, start_s: float = 0.0, prefix: str = "") -> RunResult:
+    """The `RunResult` of a run's ended agents: texts decoded, times counted from `start_s`, agent
+    names without the `prefix` a shared scheduler gave them."""
+    results = {}
     for agent in agents.values():
         r = agent.result
         r.token_ids = list(agent.output)
         r.text = builders[agent.model].tokenizer.decode(agent.output, skip_special_tokens=True)
+        for attr in ("first_token_s", "last_token_s"):
+            if getattr(r, attr) is not None:
+                setattr(r, attr, getattr(r, attr) - start_s)
         ups = [agents[s.agent].result.last_token_s for s in agent.segments if isinstance(s, AgentInput)]
         if ups and r.first_token_s is not None:
             r.handoff_gap_s = r.first_token_s - max(ups)
-        r.input_order = [s.agent for s in agent.segments if isinstance(s, AgentInput)]
-    return RunResult(workflow.name, strategy, {n: a.result for n, a in agents.items()}, scheduler.now(),
-                     scheduler.events, scheduler.prefixes.computed)
+        r.input_order = [s.agent.removeprefix(prefix) for s in agent.segments if isinstance(s, AgentInput)]
+        results[r.name] = r
+    return RunResult(workflow.name, strategy, results, wall_s, events, shared_computed)
 
 
 def _leading_contexts(wf, node: AgentNode) -> set[str]:

@@ -29,6 +29,7 @@ class PrefixSharing:
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
         self.composing: dict[tuple, list] = {}  # composed prefix + (replica,) -> its parts' records so far
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
+        self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
 
     @property
@@ -94,7 +95,7 @@ class PrefixSharing:
                 self.queues.call(rname, CallKind.FREE, part.id)
             self.fidelity[prefix] = record.fidelity
             recomputed = record.fidelity.recomputed_tokens if record.fidelity is not None else 0
-            self.computed += sum(p.computed for p in parts) + recomputed
+            self._count(prefix, rname, sum(p.computed for p in parts) + recomputed)
             self._ready(prefix, rname, record.id, 0, received=False)
 
         start = 0
@@ -121,8 +122,16 @@ class PrefixSharing:
 
         self.queues.call(source, CallKind.EXPOSE, ref_id, self.transport, then=exposed)
 
+    def _count(self, prefix: Prefix, rname: str, tokens: int) -> None:
+        """`tokens` were computed to make `prefix` on `rname`; its first waiter's run counts them."""
+        self.computed += tokens
+        waiters = self.waiters.get(prefix + (rname,))
+        if waiters:
+            name = waiters[0].name
+            self.computed_for[name] = self.computed_for.get(name, 0) + tokens
+
     def _materialized(self, prefix: Prefix, rname: str, record) -> None:
-        self.computed += record.computed
+        self._count(prefix, rname, record.computed)
         self._ready(prefix, rname, record.id, 0, received=False)
 
     def _ready(self, prefix: Prefix, rname: str, ref_id: str, nbytes: int, received: bool) -> None:

@@ -32,7 +32,12 @@ REVIVE_WAIT_S = 120.0  # how long placement waits for a restarting replica when 
 
 
 class AgentFailedError(AAFlowError, RuntimeError):
-    """An agent failed; its consumers were stopped."""
+    """An agent failed; its consumers were stopped. `agents` names the agents it stopped (the
+    failed ones and their consumers): a scheduler serving several runs fails just their runs."""
+
+    def __init__(self, message: str, agents=()) -> None:
+        super().__init__(message)
+        self.agents = tuple(agents)
 
 
 class Recovery:
@@ -219,10 +224,12 @@ class Recovery:
             s.prefixes.transfer_failed()
             return
         sessions = set(ticket.call.sessions)
+        if sessions and sessions <= s.dropped_sids:  # a call of runs that ended already: nobody waits for it
+            return
         involved = [a.name for a in s.agents.values() if a.sid in sessions and a.replica == ticket.replica]
         failed = involved or [a.name for a in s.placed[ticket.replica] if a.state != "done"]
         waiting = sorted({c for name in failed for c in s.agents[name].consumers})
         raise AgentFailedError(
             f"agent(s) {failed} on replica {ticket.replica} failed: {type(exc).__name__}: {exc}; "
-            f"their consumers {waiting} were stopped"
+            f"their consumers {waiting} were stopped", [*failed, *waiting]
         ) from exc

@@ -55,13 +55,43 @@ class Scheduler:
         self.placements = 0
         self.run_id = uuid.uuid4().hex[:12]  # session names are unique across concurrent runs on shared replicas
         self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
-        self.readers = {a.name: [agents[c] for c in a.consumers] for a in agents.values()}
-        self.streaming_readers = {name: [c for c in readers if c.streams] for name, readers in self.readers.items()}
+        self.dropped_sids: set[str] = set()  # sessions of agents whose run failed or was cancelled
+        self.agents: dict[str, AgentState] = {}
+        self.readers: dict[str, list[AgentState]] = {}
+        self.streaming_readers: dict[str, list[AgentState]] = {}
+        self.unfinished = 0
         self.queues = CallQueues(self, backend, lend_cores)
         self.admission = Admission(self)
         self.prefixes = PrefixSharing(self, transport)
         self.recovery = Recovery(self)
-        self.unfinished = len(agents)
+        self._register(agents)
+
+    def _register(self, agents: dict[str, AgentState]) -> None:
+        """Take `agents` (names unique across everything this scheduler runs) into its state."""
+        self.agents.update(agents)
+        for a in agents.values():
+            self.readers[a.name] = [self.agents[c] for c in a.consumers]
+            self.streaming_readers[a.name] = [c for c in self.readers[a.name] if c.streams]
+        self.unfinished += len(agents)
+
+    def add(self, agents: dict[str, AgentState]) -> None:
+        """Agents of another run join the running scheduler: they are placed, batched and admitted
+        with everything it runs already (`aaflow.runtime.service`)."""
+        self._register(agents)
+        for agent in agents.values():
+            self.open_if_ready(agent)
+
+    def forget(self, agents: list[AgentState]) -> None:
+        """Drop finished (or dropped) agents from the scheduler's state once their run has ended."""
+        gone = {id(a) for a in agents}
+        for a in agents:
+            self.agents.pop(a.name, None)
+            self.readers.pop(a.name, None)
+            self.streaming_readers.pop(a.name, None)
+            self.recovery.preempted.pop(a.name, None)
+            self.recovery.preempted_since.pop(a.name, None)
+        for name, placed in self.placed.items():
+            self.placed[name] = [a for a in placed if id(a) not in gone]
 
     def now(self) -> float:
         return self.backend.now()
@@ -72,7 +102,7 @@ class Scheduler:
         holds its prefix, then one with room for its KV, and above all the one a transfer node names."""
         alive = self.recovery.live_replicas(agent.model)
         if not alive:
-            raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}")
+            raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}", [agent.name])
         holders = self.prefixes.refs.get(agent.prefix_key, {})
         best = min(alive, key=lambda r: self.load[r] - (1.5 if r in holders else 0)
                    + (0 if self.admission.fits(agent, r) else 10) - (100 if r == agent.kv.replica else 0))
@@ -107,6 +137,9 @@ class Scheduler:
             self.open(agent)
 
     def opened(self, agent: AgentState, prefix_len: int = 0) -> None:
+        if agent.state == "dropped":  # its run ended while the session opened
+            self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+            return
         agent.state = "open"
         if prefix_len:
             agent.fed, agent.seg, agent.offset = prefix_len, 1, 0
@@ -184,6 +217,8 @@ class Scheduler:
 
     def prefilled(self, agent: AgentState, out: dict) -> None:
         agent.busy = False
+        if agent.state == "dropped":
+            return
         self.fresh_sids.discard(agent.sid)
         agent.result.prefill_computed += out["computed"]
         agent.result.prefill_reused += out["reused"]
@@ -262,27 +297,38 @@ class Scheduler:
         for agent in self.agents.values():
             self.open_if_ready(agent)
         while self.unfinished:
-            self.queues.launch()
-            if not self.queues.inflight and self.admission.force_one():
-                continue
-            if not self.queues.inflight:
+            if not self.launch():
                 stuck = [a.name for a in self.agents.values() if a.state != "done"]
-                raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come")
+                raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come",
+                                       stuck)
             ready = self.backend.wait(list(self.queues.inflight), 1, self.call_timeout_s)
             if not ready:
                 names = sorted({t.replica for t in self.queues.inflight})
-                raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s")
-            ticket = ready[0]
-            then = self.queues.finish(ticket)
-            try:
-                value = self.backend.result(ticket)
-            except ReplicaLostError:
-                self.recovery.replica_died(ticket.replica)
-            except Exception as exc:  # noqa: BLE001 - named below
-                cause = getattr(exc, "cause", None) or exc
-                partial = getattr(cause, "partial_steps", None)
-                if partial is not None:  # a group of steps failed after some ran: take their tokens first
-                    then(partial)
-                self.recovery.call_failed(ticket, cause)
-            else:
-                then(value)
+                raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s",
+                                       [a.name for a in self.agents.values() if a.state != "done"])
+            self.process(ready[0])
+
+    def launch(self) -> bool:
+        """Start what may run; False when nothing is in flight and nothing can be started."""
+        while True:
+            self.queues.launch()
+            if self.queues.inflight:
+                return True
+            if not self.admission.force_one():
+                return False
+
+    def process(self, ticket) -> None:
+        """Hand an ended call's value to what waits for it, or its failure to `Recovery`."""
+        then = self.queues.finish(ticket)
+        try:
+            value = self.backend.result(ticket)
+        except ReplicaLostError:
+            self.recovery.replica_died(ticket.replica)
+        except Exception as exc:  # noqa: BLE001 - named below
+            cause = getattr(exc, "cause", None) or exc
+            partial = getattr(cause, "partial_steps", None)
+            if partial is not None:  # a group of steps failed after some ran: take their tokens first
+                then(partial)
+            self.recovery.call_failed(ticket, cause)
+        else:
+            then(value)

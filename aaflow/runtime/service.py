@@ -1,0 +1,298 @@
+"""One scheduling loop for every run on a cluster's replicas, whichever client submitted it.
+
+A `RunService` owns one `Scheduler` and the thread that drives it. `submit` (from any thread) hands
+it a run's agents and returns a `RunHandle` at once; the loop takes new runs between two replica
+calls, so their agents are placed, admitted and batched with everything that runs already: one
+decode step carries every decoding agent of every run on a replica, queued prompt segments of
+different runs pack into one pass, KV is reserved across all runs, and the replicas' prefix cache
+and shared prefixes serve a document many runs read (a shared prefix is freed once no pending agent
+of any run reads it). Agents are named `<run>/<agent>` inside the loop; results keep the
+workflow's names and count times from the run's arrival.
+
+A run that fails (one of its agents failed), is cancelled or passes its `timeout_s` ends alone
+(`aaflow.runtime.dropping`): its sessions close, its queued work goes, the other runs go on.
+Replica deaths and KV shortages are handled as in a single run (`Recovery`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from aaflow.errors import AAFlowError
+from aaflow.runtime.agent_state import AgentState, namespaced
+from aaflow.runtime.calls import CallKind
+from aaflow.runtime.dropping import drop, free_unread_prefixes
+from aaflow.runtime.executor import collect
+from aaflow.runtime.recovery import AgentFailedError
+from aaflow.runtime.results import RunResult
+from aaflow.runtime.scheduler import Scheduler
+
+TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at deadlines and cancels
+
+
+class RunCancelledError(AAFlowError, RuntimeError):
+    """The run was cancelled (`RunHandle.cancel`, or its client went away) or passed its timeout;
+    what it held on the replicas was freed."""
+
+
+@dataclass(eq=False)
+class _Run:
+    id: str
+    workflow: object
+    agents: dict[str, AgentState]  # by their names in the loop (`<run>/<agent>`)
+    builders: dict
+    strategy: str
+    events: list[str]
+    on_token: object = None
+    on_agent: object = None
+    timeout_s: float | None = None
+    handle: RunHandle = None
+    start_s: float = 0.0  # loop time when the loop took it
+    first_event: int = 0  # the loop's events from here on are its
+    ended: bool = False
+    closing: set | None = None  # replicas yet to answer the no-op close queued behind the run's last calls
+    error: BaseException | None = None
+    result: RunResult | None = field(default=None, repr=False)
+
+
+class RunHandle:
+    """A run handed to a `RunService`: `result()` waits for its `RunResult` (or raises its error),
+    `cancel()` ends it early and frees what it holds."""
+
+    def __init__(self, service: RunService, run_id: str) -> None:
+        self.service, self.run_id = service, run_id
+        self._ended = threading.Event()
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._ended.is_set()
+
+    def result(self, timeout: float | None = None) -> RunResult:
+        """The run's result; raises the run's error, or TimeoutError if `timeout` seconds pass first
+        (the run goes on: cancel it to stop it)."""
+        if not self._ended.wait(timeout):
+            raise TimeoutError(f"run {self.run_id} has not ended within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        """End the run now (a no-op once it has ended); `result()` then raises RunCancelledError."""
+        self.service._inbox.put(("cancel", self.run_id))
+
+    def _end(self, result: RunResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._ended.set()
+
+
+class RunService:
+    """The scheduling loop of a cluster: start it once, `submit` runs from any thread."""
+
+    def __init__(self, backend, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
+                 lend_cores: bool = True) -> None:
+        self.eos: dict[str, set[int]] = {}
+        self.scheduler = Scheduler({}, backend, self.eos, chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s,
+                                   transport=transport, lend_cores=lend_cores, on_token=self._on_token,
+                                   on_done=self._on_done)
+        self.call_timeout_s = call_timeout_s
+        self.runs: dict[str, _Run] = {}
+        self._owner: dict[str, _Run] = {}  # loop name of an agent -> its run
+        self._inbox: queue.Queue = queue.Queue()
+        self._ids = itertools.count(1)
+        self._stopped = False
+        self._raised: list[tuple[_Run, BaseException]] = []  # runs whose callbacks raised, ended after the call
+        self._progress_s = 0.0  # loop time a call last ended
+        self._thread = threading.Thread(target=self._serve, name="aaflow-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- clients' side (any thread) ---------------------------------------------------------
+    def submit(self, workflow, agents: dict[str, AgentState], builders: dict, eos: dict[str, set[int]],
+               strategy: str, events: list[str] | None = None, on_token=None, on_agent=None,
+               timeout_s: float | None = None) -> RunHandle:
+        """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once."""
+        if self._stopped:
+            raise AAFlowError("this cluster's scheduler was stopped (the cluster was shut down)")
+        run_id = f"r{next(self._ids)}"
+        run = _Run(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
+                   on_token, on_agent, timeout_s)
+        run.handle = RunHandle(self, run_id)
+        self._inbox.put(("run", run, eos))
+        return run.handle
+
+    def stop(self) -> None:
+        """End the loop; runs still in it fail with RunCancelledError."""
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # --- the loop (its own thread) ----------------------------------------------------------
+    def _serve(self) -> None:
+        s = self.scheduler
+        while not self._stopped:
+            self._take(block=not s.unfinished and not s.queues.inflight and not self._queued())
+            if self._stopped:
+                break
+            try:
+                self._turn()
+            except AgentFailedError as exc:
+                self._fail_agents(exc)
+            except Exception as exc:  # noqa: BLE001 - a bug must not hang every client: fail them all
+                for run in [r for r in self.runs.values() if not r.ended]:
+                    self._end(run, exc)
+            for run, exc in self._raised:  # a client's callback raised: its run ends, the others go on
+                if not run.ended:
+                    self._end(run, exc)
+            self._raised.clear()
+            self._reap()
+        for run in list(self.runs.values()):
+            if not run.ended:
+                self._end(run, RunCancelledError(f"run {run.id}: the cluster's scheduler was stopped"))
+        self._reap()
+        s.recovery.cleanup()
+
+    def _turn(self) -> None:
+        """Launch what may run and hand on one ended call; end runs that cannot progress."""
+        s = self.scheduler
+        if not s.queues.inflight:  # the time limit counts from the first call after a pause
+            self._progress_s = s.now()
+        if not s.launch():
+            for run in [r for r in self.runs.values() if not r.ended] if s.unfinished else []:
+                self._end(run, AgentFailedError(f"workflow {run.workflow.name!r} cannot progress: its agents "
+                                                "wait for inputs that never come"))
+            return
+        ready = s.backend.wait(list(s.queues.inflight), 1, TICK_S)
+        if ready:
+            self._progress_s = s.now()
+            s.process(ready[0])
+        elif s.now() - self._progress_s > self.call_timeout_s:
+            self._progress_s = s.now()
+            late = {t.replica for t in s.queues.inflight}
+            raise AgentFailedError(f"replicas {sorted(late)} did not answer within {self.call_timeout_s:.0f} s",
+                                   [a.name for a in s.agents.values() if a.state != "done" and a.replica in late])
+        self._check_deadlines()
+
+    def _queued(self) -> bool:
+        s = self.scheduler
+        return any(q for name, q in s.queues.queues.items() if name not in s.dead)
+
+    def _take(self, block: bool) -> None:
+        """Take what clients sent: new runs join the scheduler, cancels end runs."""
+        while True:
+            try:
+                message = self._inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if message[0] == "stop":
+                self._stopped = True
+                return
+            if message[0] == "cancel":
+                run = self.runs.get(message[1])
+                if run is not None and not run.ended:
+                    self._end(run, RunCancelledError(f"run {run.id} ({run.workflow.name!r}) was cancelled"))
+                continue
+            _, run, eos = message
+            self.eos.update(eos)
+            run.start_s, run.first_event = self.scheduler.now(), len(self.scheduler.events)
+            self.runs[run.id] = run
+            self._owner.update({name: run for name in run.agents})
+            try:
+                self.scheduler.add(run.agents)
+            except AgentFailedError as exc:
+                self._fail_agents(exc)
+
+    def _check_deadlines(self) -> None:
+        now = self.scheduler.now()
+        for run in list(self.runs.values()):
+            if not run.ended and run.timeout_s is not None and now - run.start_s > run.timeout_s:
+                self._end(run, RunCancelledError(f"run {run.id} ({run.workflow.name!r}) passed its timeout of "
+                                                 f"{run.timeout_s:g} s"))
+
+    def _fail_agents(self, exc: AgentFailedError) -> None:
+        """End the runs of the agents `exc` names (every unended run if it names none)."""
+        runs = {id(r): r for r in (self._owner.get(name) for name in exc.agents) if r is not None}
+        for run in runs.values() or [r for r in self.runs.values() if not r.ended]:
+            if not run.ended:
+                tag = run.id + "/"
+                mine = [name.removeprefix(tag) for name in exc.agents if name.startswith(tag)]
+                error = AgentFailedError(f"workflow {run.workflow.name!r}: " + str(exc).replace(tag, ""), mine)
+                self._end(run, error.with_traceback(None))
+                error.__cause__ = exc.__cause__
+
+    def _end(self, run: _Run, error: BaseException) -> None:
+        """A run failed or was cancelled: drop its agents, free its shared prefixes."""
+        agents = list(run.agents.values())
+        drop(self.scheduler, agents)
+        free_unread_prefixes(self.scheduler, agents)
+        run.ended, run.error = True, error
+
+    def _reap(self) -> None:
+        """Hand ended runs their results once the replicas ran their closes and frees; forget them."""
+        s = self.scheduler
+        for run in list(self.runs.values()):
+            if not run.ended and all(a.state == "done" for a in run.agents.values()):
+                agents = list(run.agents.values())
+                free_unread_prefixes(s, agents)
+                end = max((a.end_s for a in agents), default=s.now())
+                shared = sum(s.prefixes.computed_for.pop(name, 0) for name in run.agents)
+                run.result = collect(run.workflow, run.agents, run.builders, run.strategy, end - run.start_s,
+                                     [], shared, start_s=run.start_s, prefix=run.id + "/")
+                run.ended = True
+            if run.ended:  # again: a prefix it asked for may have arrived since
+                free_unread_prefixes(s, list(run.agents.values()))
+            if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
+                run.closing = {r for r in s.queues.replicas if r not in s.dead}
+                for replica in run.closing:
+                    s.queues.call(replica, CallKind.CLOSE, f"{run.id}/closed",
+                                  then=lambda _, run=run, replica=replica: run.closing.discard(replica))
+            if run.ended and not (run.closing - s.dead):
+                del self.runs[run.id]
+                for name in run.agents:
+                    self._owner.pop(name, None)
+                    s.prefixes.computed_for.pop(name, None)
+                s.forget(list(run.agents.values()))
+                if run.result is not None:  # the loop's events while it ran (other runs' among them)
+                    run.result.events = run.events + s.events[run.first_event:]
+                run.handle._end(run.result, run.error)
+        if not self.runs:  # nothing pending anywhere: no shared prefix has a reader left
+            s.prefixes.free_all()
+            if len(s.events) > 10_000:
+                s.events.clear()
+
+    def _on_token(self, name: str, token: int) -> None:
+        run = self._owner.get(name)
+        if run is not None and run.on_token is not None:
+            try:
+                run.on_token(name.removeprefix(run.id + "/"), token)
+            except Exception as exc:  # noqa: BLE001 - the client's code: its run fails with it
+                self._raised.append((run, exc))
+
+    def _on_done(self, name: str) -> None:
+        run = self._owner.get(name)
+        if run is not None and run.on_agent is not None:
+            agent = run.agents[name]
+            text = run.builders[agent.model].tokenizer.decode(agent.output, skip_special_tokens=True)
+            try:
+                run.on_agent(name.removeprefix(run.id + "/"), text)
+            except Exception as exc:  # noqa: BLE001 - the client's code: its run fails with it
+                self._raised.append((run, exc))
+
+
+def service_for(cluster, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
+                lend_cores: bool = True) -> RunService:
+    """The scheduling loop of `cluster` for these options (made on first use; one per distinct set
+    of options, so every run with the defaults shares one loop). `cluster.shutdown()` stops it."""
+    from cluster.ray_backend import RayBackend
+
+    key = (max(1, chunk_tokens), call_timeout_s, transport, lend_cores)
+    with _SERVICES_LOCK:
+        services = cluster.__dict__.setdefault("_run_services", {})
+        if key not in services:
+            services[key] = RunService(RayBackend(cluster), *key)
+        return services[key]
+
+
+_SERVICES_LOCK = threading.Lock()

