@@ -9,9 +9,9 @@ def submit(workflow, target=None, *, strategy: str = "auto", on_token=None, on_a
     """Run `workflow` (a `Workflow` or a workflow YAML path) on a deployment: `target` is a cluster
     from `af.connect`, a Ray address, or None for RAY_ADDRESS (as inside a Ray job).
 
-    The scheduler runs here, in the calling process, against the deployment's shared replicas:
-    any number of clients may submit at once, and each reuses what the replicas' prefix cache and
-    pins hold. Tokens stream back as agents produce them: `on_token(agent, token_id)` per token,
+    The run goes to the deployment's one scheduling loop (its `scheduler` actor): any number of
+    clients may submit at once, their agents are batched together, and each reuses what the
+    replicas' prefix cache and pins hold. Tokens stream back as agents produce them: `on_token(agent, token_id)` per token,
     `on_agent(agent, text)` as each agent finishes. Returns the `RunResult` `af.run` gives;
     `run_options` go to `af.run` (chunk_tokens, call_timeout_s, transport, plan, ...).
     Raises `DeploymentError` when no deployment runs there.

@@ -145,6 +145,7 @@ class Cluster:
         self = cls.__new__(cls)
         self._replicas, self.info, self._pg = list(handles), dict(info), placement
         self._owns_ray, self._attached, self._closed = owns_ray, True, False
+        self.scheduler = None  # a deployment's scheduling loop (a Ray actor): `af.connect` sets it
         self.restarts = 0  # a deployment's replicas are not restarted by Ray
         return self
 

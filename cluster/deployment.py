@@ -6,12 +6,11 @@ that remembers them: their handles, models, engines, CPU shares and load info. A
 reaches the cluster then gets the same `Cluster` object `af.init` returns with `af.connect`, and
 `af.run` / `af.submit` / `af.materialize` / `af.pin` work on it unchanged.
 
-The scheduler is not an actor: each `af.run` / `af.submit` drives its own scheduler in its client
-process against the shared replicas. What clients share lives in the replicas (each actor runs
-one call at a time, from whichever client): their prefix cache, their pinned contexts and their
-sessions (session names carry a per-run id, so concurrent runs never collide). A scheduler in
-the client keeps the per-token decisions next to the tokens it streams back, and a client that
-dies takes only its own run with it (its sessions are closed by `Recovery` or stay until `down`).
+The deployment has one scheduling loop, in a detached actor (`scheduler`, `cluster.scheduler_actor`):
+`af.run` / `af.submit` from any client hand it their workflow and follow the run's tokens, so
+the runs of every client are admitted, packed and decoded together on the shared replicas, which
+also share their prefix cache and pinned contexts. A client that dies stops polling; its run is
+cancelled and its KV freed.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import time
 
 from aaflow.errors import DeploymentError
 from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster, ReplicaHandle
+from cluster.scheduler_actor import find_scheduler, start_scheduler
 
 RECORD_NAME = "deployment"
 
@@ -119,8 +119,16 @@ def up(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluste
         if owns:
             ray.shutdown()
         raise
+    try:
+        scheduler = start_scheduler(cluster.replicas(), cluster.info)
+    except BaseException:
+        cluster.terminate()
+        ray.kill(record)
+        raise
     ray.get(record.set.remote(cluster.replicas(), cluster.info, cluster.placement))
-    return Cluster.attach(cluster.replicas(), cluster.info, owns_ray=owns)
+    attached = Cluster.attach(cluster.replicas(), cluster.info, owns_ray=owns)
+    attached.scheduler = scheduler
+    return attached
 
 
 def connect(address: str | None = None) -> Cluster:
@@ -128,7 +136,9 @@ def connect(address: str | None = None) -> Cluster:
     object `af.init` returns. `shutdown()` on it disconnects; the deployment keeps running.
     Raises `DeploymentError` when the cluster cannot be reached or holds no deployment."""
     _, state, owns = _record(address)
-    return Cluster.attach(state["replicas"], state["info"], owns_ray=owns, placement=state["placement"])
+    cluster = Cluster.attach(state["replicas"], state["info"], owns_ray=owns, placement=state["placement"])
+    cluster.scheduler = find_scheduler()
+    return cluster
 
 
 def status(target: Cluster | str | None = None) -> list[dict]:
@@ -158,6 +168,9 @@ def down(address: str | None = None) -> list[str]:
     record, state, owns = _record(address)
     cluster = Cluster.attach(state["replicas"], state["info"], placement=state["placement"])
     names = [r.name for r in cluster.replicas()]
+    scheduler = find_scheduler()
+    if scheduler is not None:
+        ray.kill(scheduler)
     cluster.terminate()
     ray.kill(record)
     deadline = time.monotonic() + 30

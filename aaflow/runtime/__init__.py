@@ -14,7 +14,8 @@ from aaflow.runtime.prompts import AgentInput, PromptBuilder
 from aaflow.runtime.results import AgentResult, RunResult
 from aaflow.runtime.service import RunCancelledError, RunHandle, service_for
 
-__all__ = ["AgentFailedError", "AgentResult", "RunCancelledError", "RunHandle", "RunResult", "prompt_builders", "run"]
+__all__ = ["AgentFailedError", "AgentResult", "RunCancelledError", "RunHandle", "RunResult", "prompt_builders", "run",
+           "start"]
 
 
 def prompt_builders(models: set[str]) -> tuple[dict, dict, dict]:
@@ -22,9 +23,13 @@ def prompt_builders(models: set[str]) -> tuple[dict, dict, dict]:
     token ids and its position limit."""
     builders, eos, limits = {}, {}, {}
     for model in models:
-        tokenizer, lock, eos[model], limits[model] = _model_text(model)
+        with _LOADING:  # runs start from many threads; transformers' lazy imports are not thread-safe
+            tokenizer, lock, eos[model], limits[model] = _model_text(model)
         builders[model] = PromptBuilder(tokenizer, lock)
     return builders, eos, limits
+
+
+_LOADING = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)
@@ -69,10 +74,27 @@ def _check_sizes(wf, builders, limits, cluster=None) -> None:
             )
 
 
-def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
-        transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None,
-        timeout_s: float | None = None) -> RunResult:
-    """Run `workflow` on `cluster`; returns each agent's text, tokens and metrics.
+def run(workflow, cluster, strategy: str = "auto", on_token=None, on_agent=None, **options) -> RunResult:
+    """Run `workflow` on `cluster` and wait for it; returns each agent's text, tokens and metrics.
+    The arguments are `start`'s; an interrupted wait (Ctrl-C) cancels the run, freeing its KV."""
+    handle = start(workflow, cluster, strategy, on_token=on_token, on_agent=on_agent, **options)
+    try:
+        return handle.result()
+    except BaseException:
+        handle.cancel()
+        raise
+
+
+def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
+          transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None,
+          timeout_s: float | None = None):
+    """Hand `workflow` to the scheduling loop of `cluster` and return its `RunHandle` at once
+    (`result()` waits for the `RunResult`, `cancel()` ends it and frees its KV).
+
+    Every run on a cluster, from any thread (or, on a deployment from `af.connect`, from any
+    process), goes to the cluster's one scheduling loop (`aaflow.runtime.service`; a deployment's
+    lives in a detached Ray actor, `cluster.scheduler_actor`): the agents of concurrent runs are
+    admitted, packed and decoded together on the replicas.
 
     Args:
         strategy: "auto" (the planner picks per agent, see `af.plan`), "text" (the baseline: text
@@ -94,10 +116,21 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
         on_agent: called as `on_agent(agent, text)` as each agent finishes.
         timeout_s: end the run (freeing its KV) with `RunCancelledError` once it has run this long.
 
-    Every run on a cluster, from any thread, goes to the cluster's one scheduling loop
-    (`aaflow.runtime.service`): concurrent runs are batched together on the replicas.
-    Callbacks run on that loop's thread: keep them short.
+    Callbacks run on the loop's thread (on a deployment: on a thread of this process): keep them short.
     """
+    options = dict(chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s, transport=transport, plan=plan,
+                   lend_cores=lend_cores, timeout_s=timeout_s)
+    remote = getattr(cluster, "scheduler", None)
+    if remote is not None:  # a deployment's loop, in its actor
+        from cluster.scheduler_actor import RemoteRunHandle
+
+        return RemoteRunHandle.start(remote, workflow, strategy, on_token, on_agent, options)
+    return start_here(workflow, cluster, strategy, on_token=on_token, on_agent=on_agent, **options)
+
+
+def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout_s: float, transport: str | None,
+               plan, lend_cores: bool, timeout_s: float | None, on_token=None, on_agent=None) -> RunHandle:
+    """`start` on a loop of this process: check and plan the run here, then hand it over."""
     called = time.perf_counter()
     workflow.validate(served_models=cluster.models)
     check_replicas(workflow, {r.name for r in cluster.replicas()})
@@ -108,24 +141,16 @@ def run(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_
     if strategy == "auto" and plan is None:
         from aaflow.planning import plan_checked
 
-        start = time.perf_counter()
+        begun = time.perf_counter()
         try:
             plan = plan_checked(workflow, cluster, builders, chunk_tokens=chunk_tokens, transport=transport)
         except AAFlowError as exc:
             events.append(f"planner unavailable ({exc}); auto follows its documented rule")
-        planning_s = time.perf_counter() - start
+        planning_s = time.perf_counter() - begun
     decisions = plan.decisions if strategy == "auto" and plan is not None else None
     if decisions:
         events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
     agents = workflow_agents(workflow, builders, strategy, decisions)
     service = service_for(cluster, chunk_tokens, call_timeout_s, transport, lend_cores)
-    handle = service.submit(workflow, agents, builders, eos, strategy, events, on_token=on_token, on_agent=on_agent,
-                            timeout_s=timeout_s)
-    try:
-        result = handle.result()
-    except BaseException:
-        handle.cancel()  # interrupted (Ctrl-C): the run's KV is freed
-        raise
-    result.planning_s = planning_s
-    result.total_s = time.perf_counter() - called
-    return result
+    return service.submit(workflow, agents, builders, eos, strategy, events, on_token=on_token, on_agent=on_agent,
+                          timeout_s=timeout_s, planning_s=planning_s, called=called)

@@ -50,16 +50,20 @@ def drop(scheduler: Scheduler, agents: list[AgentState]) -> None:
         s.unfinished -= 1
 
 
-def free_unread_prefixes(scheduler: Scheduler, agents: list[AgentState]) -> None:
+def free_unread_prefixes(scheduler: Scheduler, agents: list[AgentState]) -> int:
     """A run ended: free the shared prefixes its agents forked that no unfinished agent of any run
-    will read (a prefix that another run's pending agents read stays: it is computed once)."""
+    will read (a prefix that another run's pending agents read stays: it is computed once).
+    Answers how many it freed."""
     s = scheduler
     keys = {a.prefix_key for a in agents if a.prefix_key in s.prefixes.refs}
     if not keys:
-        return
+        return 0
     pending = {a.prefix_key for a in s.agents.values() if a.state != "done" and a.prefix_key in keys}
+    freed = 0
     for key in keys - pending:
         if any(k[:-1] == key for k in s.prefixes.waiters) or any(k[:-1] == key for k in s.prefixes.transferring):
             continue  # something is still on its way for it
         s.prefixes.free(s.prefixes.refs.pop(key, {}))
         s.prefixes.origin.pop(key, None)
+        freed += 1
+    return freed

@@ -53,6 +53,7 @@ class Scheduler:
         self.load = {r.name: 0 for r in self.replicas}  # unfinished agents placed on each replica
         self.decoding: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}  # in placement order
         self.placements = 0
+        self.last_placed: dict[tuple, str] = {}  # prefix key -> the replica its last agent was placed on
         self.run_id = uuid.uuid4().hex[:12]  # session names are unique across concurrent runs on shared replicas
         self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
         self.dropped_sids: set[str] = set()  # sessions of agents whose run failed or was cancelled
@@ -99,13 +100,19 @@ class Scheduler:
     # --- placement -----------------------------------------------------------------------
     def place(self, agent: AgentState) -> None:
         """The live replica of its model with the least unfinished agents, preferring one that
-        holds its prefix, then one with room for its KV, and above all the one a transfer node names."""
+        holds its prefix (as a shared prefix, or where the last agent with that prefix went: the
+        replica's prefix cache), then one with room for its KV, and above all the one a transfer
+        node names."""
         alive = self.recovery.live_replicas(agent.model)
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}", [agent.name])
         holders = self.prefixes.refs.get(agent.prefix_key, {})
-        best = min(alive, key=lambda r: self.load[r] - (1.5 if r in holders else 0)
+        cached = self.last_placed.get(agent.prefix_key)  # its prefix is likely in that replica's prefix cache
+        best = min(alive, key=lambda r: self.load[r] - (1.5 if r in holders or r == cached else 0)
                    + (0 if self.admission.fits(agent, r) else 10) - (100 if r == agent.kv.replica else 0))
+        if len(self.last_placed) > 4096:
+            self.last_placed.clear()
+        self.last_placed[agent.prefix_key] = best
         if agent.replica is not None and agent in self.placed[agent.replica]:
             self.placed[agent.replica].remove(agent)
             self.load[agent.replica] -= 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 from aaflow.errors import AAFlowError
@@ -49,6 +50,8 @@ class _Run:
     on_token: object = None
     on_agent: object = None
     timeout_s: float | None = None
+    planning_s: float = 0.0
+    called: float = 0.0  # perf_counter when the client called
     handle: RunHandle = None
     start_s: float = 0.0  # loop time when the loop took it
     first_event: int = 0  # the loop's events from here on are its
@@ -112,13 +115,15 @@ class RunService:
     # --- clients' side (any thread) ---------------------------------------------------------
     def submit(self, workflow, agents: dict[str, AgentState], builders: dict, eos: dict[str, set[int]],
                strategy: str, events: list[str] | None = None, on_token=None, on_agent=None,
-               timeout_s: float | None = None) -> RunHandle:
-        """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once."""
+               timeout_s: float | None = None, planning_s: float = 0.0, called: float | None = None) -> RunHandle:
+        """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once.
+        `planning_s` and `called` (`time.perf_counter()` when the client called) go to the result."""
         if self._stopped:
             raise AAFlowError("this cluster's scheduler was stopped (the cluster was shut down)")
         run_id = f"r{next(self._ids)}"
         run = _Run(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
-                   on_token, on_agent, timeout_s)
+                   on_token, on_agent, timeout_s, planning_s=planning_s,
+                   called=time.perf_counter() if called is None else called)
         run.handle = RunHandle(self, run_id)
         self._inbox.put(("run", run, eos))
         return run.handle
@@ -241,13 +246,13 @@ class RunService:
                 run.result = collect(run.workflow, run.agents, run.builders, run.strategy, end - run.start_s,
                                      [], shared, start_s=run.start_s, prefix=run.id + "/")
                 run.ended = True
-            if run.ended:  # again: a prefix it asked for may have arrived since
-                free_unread_prefixes(s, list(run.agents.values()))
+            if run.ended and free_unread_prefixes(s, list(run.agents.values())):
+                run.closing = None  # a prefix it asked for arrived since: close again behind its free
             if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
-                run.closing = {r for r in s.queues.replicas if r not in s.dead}
-                for replica in run.closing:
+                run.closing = closing = {r for r in s.queues.replicas if r not in s.dead}
+                for replica in closing:
                     s.queues.call(replica, CallKind.CLOSE, f"{run.id}/closed",
-                                  then=lambda _, run=run, replica=replica: run.closing.discard(replica))
+                                  then=lambda _, left=closing, replica=replica: left.discard(replica))
             if run.ended and not (run.closing - s.dead):
                 del self.runs[run.id]
                 for name in run.agents:
@@ -256,6 +261,7 @@ class RunService:
                 s.forget(list(run.agents.values()))
                 if run.result is not None:  # the loop's events while it ran (other runs' among them)
                     run.result.events = run.events + s.events[run.first_event:]
+                    run.result.planning_s, run.result.total_s = run.planning_s, time.perf_counter() - run.called
                 run.handle._end(run.result, run.error)
         if not self.runs:  # nothing pending anywhere: no shared prefix has a reader left
             s.prefixes.free_all()
