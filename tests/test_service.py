@@ -80,7 +80,7 @@ def test_cancel_frees_the_run_and_the_others_finish(one_replica):
 def test_a_run_past_its_timeout_ends_and_frees_its_kv(one_replica):
     cluster, model = one_replica
     with pytest.raises(af.RunCancelledError, match="timeout"):
-        af.run(long_run(model, tokens=2000), cluster, strategy="text", timeout_s=1.0)
+        af.run(long_run(model, tokens=440), cluster, strategy="text", timeout_s=0.2)
     assert_no_kv_left(cluster)
 
 
@@ -150,3 +150,22 @@ def test_calls_of_a_stopped_service_are_refused(tiny_llama_dir):
     with pytest.raises(af.AAFlowError, match="stopped"):
         service.submit(chain(str(tiny_llama_dir)), {}, {}, {}, "text")
     assert CallKind.CLOSE.bookkeeping
+
+
+@pytest.mark.smollm2
+def test_smollm2_burst_from_threads_completes_with_each_workflows_own_tokens(smollm2_dir):
+    """The serving benchmark's load, small: every workflow completes with the tokens it gives alone."""
+    from benchmarks.serve_shapes import documents, serve_workflows
+
+    workflows = serve_workflows(12, documents(3, 200), 8)
+    cluster = af.init(replicas={"smollm2": 1}, num_cpus=2, dtype="float32", kv_cache_bytes=64 * 2**20)
+    try:
+        alone = {wf.name: {n: a.token_ids for n, a in af.run(wf, cluster, strategy="auto").agents.items()}
+                 for wf in workflows[:3]}
+        with ThreadPoolExecutor(max_workers=len(workflows)) as pool:
+            results = list(pool.map(lambda wf: af.run(wf, cluster, strategy="auto"), workflows))
+        for i, res in enumerate(results):
+            assert {n: a.token_ids for n, a in res.agents.items()} == alone[f"serve-{i % 3}"], res.workflow
+        assert_no_kv_left(cluster)
+    finally:
+        cluster.shutdown()

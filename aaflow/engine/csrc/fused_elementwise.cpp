@@ -4,9 +4,10 @@
 // torch runs each of these as several ops, every one a pass over memory with bf16 -> fp32 -> bf16
 // conversions and a Python call: on a 2,500-token prefill of SmolLM2 (2 cores, Xeon with AMX) they
 // took ~290 of ~1,000 ms, and ~1 ms of a one-sequence decode step's ~18. Each kernel rounds where
-// torch's sequence of ops rounds, so results match torch's bit for bit except where fp32 sums are
-// ordered differently (the RMS over a row) or exp is approximated differently (SiLU): there a value
-// may differ by one bf16 ulp. Rows are independent, so a row's result never depends on its batch.
+// torch's sequence of ops rounds, so results match torch's bit for bit except where torch's fp32
+// sum of a row's squares is not the correctly rounded one (this kernel's is; see `norm_row`) or exp
+// is approximated differently (SiLU): there a value may differ by one bf16 ulp. Rows are
+// independent, so a row's result never depends on its batch.
 //
 // Plain C++ loops, vectorized by the compiler (-O3 -march=native, `omp simd`); rows split across
 // torch's intra-op threads.
@@ -63,14 +64,27 @@ void check_weight(const torch::Tensor& weight, int64_t H) {
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
 
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)), as `w * F.rms_norm(x.float()).to(bf16)` rounds.
+//
+// The sum of squares runs in double, so that it does not depend on the order of the additions:
+// the square of a bf16 has at most 16 significant bits (exact in fp32), and their double sum is
+// exact or within 2^-53 of it, so `float(squares)` is the correctly rounded fp32 sum, on any
+// vector width. From there the fp32 steps are torch's: sum / H, + eps, 1 / sqrt. An fp32 sum in
+// `omp simd` order (as this was) takes the order the compiler picks for the vector width: on AVX2,
+// 8 lanes of 72 sequential adds for SmolLM2's 576, which rounded mean(x^2) one fp32 ulp away from
+// torch's (cascaded) sum where torch's was exact, and every element of x * rstd that lay that close
+// to a bf16 rounding midpoint rounded the other way: 5 elements of one of 2,184 rows in the prefill
+// of "What is the capital of France?" (layer 6), enough, through the layers above, to make the
+// bf16 logits of "L" and "The" equal (25.25) where transformers' are 25.125 and 25.25, and greedy
+// decoding answered "L'Étoile, ..." instead of "The capital of France is Paris." (an AVX2 EPYC).
+// The double sum costs nothing measurable: a row is read once either way.
 void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t H, uint16_t* y) {
-  float squares = 0.f;
+  double squares = 0.0;
 #pragma omp simd reduction(+ : squares)
   for (int64_t i = 0; i < H; ++i) {
     const float v = bf16_to_float(x[i]);
-    squares += v * v;
+    squares += double(v * v);  // v * v is exact in fp32
   }
-  const float rstd = 1.0f / std::sqrt(squares / float(H) + eps);
+  const float rstd = 1.0f / std::sqrt(float(squares) / float(H) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < H; ++i)
     y[i] = float_to_bf16(bf16_to_float(w[i]) * round_bf16(bf16_to_float(x[i]) * rstd));
