@@ -51,6 +51,32 @@ def test_fused_kernels_round_as_torch_ops(rows):
     assert_rounds_as_torch(fused.silu_mul(gate_up), ref.silu_mul(gate_up), sums_reordered=True)
 
 
+def correctly_rounded_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's RMSNorm steps (fp32, cast to bf16 before the scale) from the correctly rounded fp32
+    sum of each row's squares (a bf16's square is exact in fp32, their float64 sum exact to far below
+    an fp32 ulp)."""
+    squares = (x.double() ** 2).sum(-1, keepdim=True).float()
+    return w * (x.float() * torch.rsqrt(squares / x.shape[-1] + eps)).bfloat16()
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0, 30.0])
+def test_rms_norm_takes_the_correctly_rounded_sum_of_squares(scale):
+    """Bit for bit, on any vector width. The kernel's former fp32 sum in `omp simd` lanes rounded
+    otherwise on some of these rows (on AVX2, each of the three cases); on one row of a SmolLM2
+    prefill that flipped a near tie of the greedy first token (see `norm_row` in
+    csrc/fused_elementwise.cpp)."""
+    g = torch.Generator().manual_seed(int(scale))
+    fused = Elementwise(torch.bfloat16, 1e-5)
+    x = torch.randn(4096, 576, generator=g) * scale
+    x[:, :3] *= 40  # a few outlier channels, as LLM hidden states have
+    x = x.bfloat16()
+    delta = torch.randn(4096, 576, generator=g).bfloat16()
+    w = torch.randn(576, generator=g).bfloat16()
+    assert torch.equal(fused.norm(x, w), correctly_rounded_norm(x, w, 1e-5))
+    _, normed = fused.add_norm(x, delta, w)
+    assert torch.equal(normed, correctly_rounded_norm(x + delta, w, 1e-5))
+
+
 def test_a_row_does_not_depend_on_its_batch():
     g = torch.Generator().manual_seed(1)
     fused = Elementwise(torch.bfloat16, 1e-5)

@@ -5,7 +5,8 @@ Why: in bf16 torch runs each step as several ops, each a pass over memory with d
 Measured here (SmolLM2, Xeon with AMX, 2 threads), torch ops per layer: 2,500 rows 1.1 ms RMSNorm,
 1.3 ms add + RMSNorm, 1.2 ms RoPE, 1.6 ms SiLU * up (~160 ms of a ~1 s prefill over 30 layers);
 one row ~35 us. The kernels round where torch rounds (see the C++ file); a value may differ from
-torch's by one bf16 ulp where an fp32 sum is ordered differently or exp is approximated.
+torch's by one bf16 ulp where torch's fp32 sum of a row's squares is not the correctly rounded one
+(the kernel's is, on any vector width) or exp is approximated.
 `AAFLOW_FUSED_ELEMENTWISE=0` keeps the torch ops."""
 
 from __future__ import annotations

@@ -65,18 +65,21 @@ int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements /
 
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)), as `w * F.rms_norm(x.float()).to(bf16)` rounds.
 //
-// The sum of squares runs in double, so that it does not depend on the order of the additions:
-// the square of a bf16 has at most 16 significant bits (exact in fp32), and their double sum is
-// exact or within 2^-53 of it, so `float(squares)` is the correctly rounded fp32 sum, on any
-// vector width. From there the fp32 steps are torch's: sum / H, + eps, 1 / sqrt. An fp32 sum in
-// `omp simd` order (as this was) takes the order the compiler picks for the vector width: on AVX2,
-// 8 lanes of 72 sequential adds for SmolLM2's 576, which rounded mean(x^2) one fp32 ulp away from
-// torch's (cascaded) sum where torch's was exact, and every element of x * rstd that lay that close
-// to a bf16 rounding midpoint rounded the other way: 5 elements of one of 2,184 rows in the prefill
-// of "What is the capital of France?" (layer 6), enough, through the layers above, to make the
-// bf16 logits of "L" and "The" equal (25.25) where transformers' are 25.125 and 25.25, and greedy
-// decoding answered "L'Étoile, ..." instead of "The capital of France is Paris." (an AVX2 EPYC).
-// The double sum costs nothing measurable: a row is read once either way.
+// The sum of squares is the correctly rounded fp32 sum, whatever the vector width: each square of
+// a bf16 has at most 16 significant bits (exact in fp32), and their sum in double is exact (or,
+// where the squares span more than ~2^27, within H * 2^-53 of it, far below an fp32 ulp), then
+// rounded once. From there the fp32 steps are torch's: sum / H, + eps, 1 / sqrt. An fp32 sum in
+// `omp simd` order (as this was) sums in lanes of the vector width the compiler picks (8 on AVX2,
+// 16 with AVX512), so it rounded differently from torch's cascaded sum on some rows, and on AVX2
+// one such row decided a greedy answer: in the prefill of SmolLM2's chat prompt "What is the
+// capital of France?", mean(x^2) of one of 2,184 rows (layer 6) came out one fp32 ulp from torch's
+// (which was the correctly rounded one), 5 of its elements of x * rstd lay that close to bf16
+// rounding midpoints and rounded the other way, and through the layers above the last position's
+// bf16 logits of "L" and "The" came out equal (25.25; transformers': 25.125 and 25.25), so greedy
+// decoding took "L" (the lower id) and answered "L'Étoile, la Marseillaise, ..." instead of "The
+// capital of France is Paris." (fp32's margin between the two is 0.1, under bf16's step of 0.125
+// there: a near tie that any one-ulp difference may flip). Cost, measured on AVX2 (one thread,
+// 2,500 rows of 576): 0.93-0.98 -> 1.15-1.23 ms a call (torch's ops: 2.7 ms); one row 2.2 -> 2.3 us.
 void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t H, uint16_t* y) {
   double squares = 0.0;
 #pragma omp simd reduction(+ : squares)
