@@ -31,7 +31,7 @@ from aaflow.runtime.backend import Backend, ReplicaLostError
 from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CallKind, PrefillRequest
 from aaflow.runtime.prefix_sharing import PrefixSharing
-from aaflow.runtime.prompts import AgentInput, reorder_by_completion
+from aaflow.runtime.feeding import consume, feedable
 from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.strategies import SHARES_PREFIX, STREAMS, TEXT_NOCACHE
 
@@ -84,7 +84,6 @@ class Scheduler:
 
     def forget(self, agents: list[AgentState]) -> None:
         """Drop finished (or dropped) agents from the scheduler's state once their run has ended."""
-        gone = {id(a) for a in agents}
         for a in agents:
             self.agents.pop(a.name, None)
             self.readers.pop(a.name, None)
@@ -92,7 +91,7 @@ class Scheduler:
             self.recovery.preempted.pop(a.name, None)
             self.recovery.preempted_since.pop(a.name, None)
         for name, placed in self.placed.items():
-            self.placed[name] = [a for a in placed if id(a) not in gone]
+            self.placed[name] = [a for a in placed if a not in agents]
 
     def now(self) -> float:
         return self.backend.now()
@@ -156,46 +155,6 @@ class Scheduler:
                 self.prefixes.evict_if_forked(agent.prefix_key)
         self.advance(agent)
 
-    def feedable(self, agent: AgentState) -> tuple[list[tuple], int, bool, int]:
-        """What may be prefilled now (position-stable): (token list, start) pieces and their
-        length, whether that completes the prompt, and how many of them come from upstream agents
-        still decoding."""
-        pieces: list[tuple] = []
-        count = streamed = 0
-        if agent.unordered and agent.offset == 0:
-            finished = sorted((a.result.last_token_s, n) for n, a in self.agents.items() if a.state == "done")
-            agent.segments = reorder_by_completion(agent.segments, agent.seg, [n for _, n in finished])
-        for i in range(agent.seg, len(agent.segments)):
-            seg = agent.segments[i]
-            start = agent.offset if i == agent.seg else 0
-            if not isinstance(seg, AgentInput):
-                pieces.append((seg, start))
-                count += len(seg) - start
-                continue
-            producer = self.agents[seg.agent]
-            if agent.unordered and producer.state != "done" and start == 0 and any(
-                    isinstance(s, AgentInput) for s in agent.segments[i + 1:]):
-                return pieces, count, False, streamed  # another input may finish first and take this slot
-            pieces.append((producer.output, start))
-            count += len(producer.output) - start
-            if producer.state != "done":
-                streamed += len(producer.output) - start
-                return pieces, count, False, streamed
-        return pieces, count, True, streamed
-
-    def consume(self, agent: AgentState, count: int) -> None:
-        """Move the feed position `count` tokens forward."""
-        agent.fed += count
-        while count:
-            seg = agent.segments[agent.seg]
-            known = not isinstance(seg, AgentInput)
-            length = len(seg) if known else len(self.agents[seg.agent].output)
-            take = min(count, length - agent.offset)
-            agent.offset += take
-            count -= take
-            if agent.offset == length and (known or self.agents[seg.agent].state == "done"):
-                agent.seg, agent.offset = agent.seg + 1, 0
-
     def inputs_done(self, agent: AgentState) -> bool:
         for name in agent.upstream:  # a loop, not all(): this runs for every token of every upstream
             if self.agents[name].state != "done":
@@ -207,7 +166,7 @@ class Scheduler:
             return
         if not agent.streams and not self.inputs_done(agent):
             return
-        pieces, count, complete, streamed = self.feedable(agent)
+        pieces, count, complete, streamed = feedable(self.agents, agent)
         if not complete and (not count or (agent.fed > 0 and count < self.chunk_tokens)):
             return  # wait for a full chunk (the static part goes at once)
         ids: list[int] = []
@@ -216,7 +175,7 @@ class Scheduler:
         agent.busy, agent.fresh = True, agent.fed == 0
         if agent.fresh:
             self.fresh_sids.add(agent.sid)
-        self.consume(agent, len(ids))
+        consume(self.agents, agent, len(ids))
         agent.result.streamed_tokens += streamed
         agent.result.prompt_tokens += len(ids)
         request = PrefillRequest(agent.sid, ids, agent.sampling if complete else None, agent.strategy != TEXT_NOCACHE)
