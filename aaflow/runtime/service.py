@@ -27,16 +27,12 @@ from aaflow.runtime.agent_state import AgentState, namespaced
 from aaflow.runtime.calls import CallKind
 from aaflow.runtime.dropping import drop, free_unread_prefixes
 from aaflow.runtime.executor import collect
+from aaflow.runtime.run_handle import RunCancelledError, RunHandle
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.results import RunResult
 from aaflow.runtime.scheduler import Scheduler
 
 TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at deadlines and cancels
-
-
-class RunCancelledError(AAFlowError, RuntimeError):
-    """The run was cancelled (`RunHandle.cancel`, or its client went away) or passed its timeout;
-    what it held on the replicas was freed."""
 
 
 @dataclass(eq=False)
@@ -61,37 +57,6 @@ class _Run:
     result: RunResult | None = field(default=None, repr=False)
 
 
-class RunHandle:
-    """A run handed to a `RunService`: `result()` waits for its `RunResult` (or raises its error),
-    `cancel()` ends it early and frees what it holds."""
-
-    def __init__(self, service: RunService, run_id: str) -> None:
-        self.service, self.run_id = service, run_id
-        self._ended = threading.Event()
-        self._result: RunResult | None = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        return self._ended.is_set()
-
-    def result(self, timeout: float | None = None) -> RunResult:
-        """The run's result; raises the run's error, or TimeoutError if `timeout` seconds pass first
-        (the run goes on: cancel it to stop it)."""
-        if not self._ended.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} has not ended within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def cancel(self) -> None:
-        """End the run now (a no-op once it has ended); `result()` then raises RunCancelledError."""
-        self.service._inbox.put(("cancel", self.run_id))
-
-    def _end(self, result: RunResult | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        self._ended.set()
-
-
 class RunService:
     """The scheduling loop of a cluster: start it once, `submit` runs from any thread."""
 
@@ -107,6 +72,7 @@ class RunService:
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count(1)
         self._stopped = False
+        self._closing = threading.Lock()  # a submit either reaches the loop or is refused once it stops
         self._raised: list[tuple[_Run, BaseException]] = []  # runs whose callbacks raised, ended after the call
         self._progress_s = 0.0  # loop time a call last ended
         self._thread = threading.Thread(target=self._serve, name="aaflow-scheduler", daemon=True)
@@ -118,14 +84,15 @@ class RunService:
                timeout_s: float | None = None, planning_s: float = 0.0, called: float | None = None) -> RunHandle:
         """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once.
         `planning_s` and `called` (`time.perf_counter()` when the client called) go to the result."""
-        if self._stopped:
-            raise AAFlowError("this cluster's scheduler was stopped (the cluster was shut down)")
         run_id = f"r{next(self._ids)}"
         run = _Run(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
                    on_token, on_agent, timeout_s, planning_s=planning_s,
                    called=time.perf_counter() if called is None else called)
         run.handle = RunHandle(self, run_id)
-        self._inbox.put(("run", run, eos))
+        with self._closing:
+            if self._stopped:
+                raise AAFlowError("this cluster's scheduler was stopped (the cluster was shut down)")
+            self._inbox.put(("run", run, eos))
         return run.handle
 
     def stop(self) -> None:
@@ -156,6 +123,11 @@ class RunService:
             if not run.ended:
                 self._end(run, RunCancelledError(f"run {run.id}: the cluster's scheduler was stopped"))
         self._reap()
+        with self._closing:  # runs sent while it stopped: refused, not left waiting
+            while not self._inbox.empty():
+                message = self._inbox.get()
+                if message[0] == "run":
+                    message[1].handle._end(None, RunCancelledError("the cluster's scheduler was stopped"))
         s.recovery.cleanup()
 
     def _turn(self) -> None:
@@ -192,7 +164,8 @@ class RunService:
                 return
             block = False
             if message[0] == "stop":
-                self._stopped = True
+                with self._closing:
+                    self._stopped = True
                 return
             if message[0] == "cancel":
                 run = self.runs.get(message[1])
