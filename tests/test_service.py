@@ -169,3 +169,42 @@ def test_smollm2_burst_from_threads_completes_with_each_workflows_own_tokens(smo
         assert_no_kv_left(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_a_run_dropped_while_its_prompt_is_in_flight_stays_ended(tiny_llama_dir):
+    """On the simulated clock: a run ended while its prompt segment runs ignores that segment's answer
+    (it does not start decoding); the other run finishes and nothing is counted twice."""
+    from aaflow.runtime import prompt_builders
+    from aaflow.runtime.agent_state import namespaced
+    from aaflow.runtime.dropping import drop
+    from aaflow.runtime.executor import workflow_agents
+    from aaflow.runtime.scheduler import Scheduler
+    from aaflow.runtime.sim_backend import SimBackend
+    from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+    from costmodel.model_profile import ModelProfile
+
+    model = str(tiny_llama_dir)
+    compute = ComputeProfile(0.005, 1e-4, 1e-8, 0.02, 1e-4, 1e-7)
+    hardware = HardwareProfile("test-box", False, "hand-built", 2e10, {"tiny": compute}, {"ray": LinkProfile(5e9)})
+    backend = SimBackend([("r0", model)], hardware, {model: ModelProfile.from_folder("tiny", model, dtype="float32")},
+                         "ray", 0.002)
+    builders, eos, _ = prompt_builders({model})
+    scheduler = Scheduler({}, backend, eos)
+    ended, going = (namespaced(workflow_agents(chain(model), builders, "text"), tag) for tag in ("x/", "y/"))
+    scheduler.add(ended)
+    scheduler.add(going)
+
+    def in_flight(agents) -> bool:
+        sids = {a.sid for a in agents.values()}
+        return any(t.call.kind.prefills and sids & set(t.call.sessions) for t in scheduler.queues.inflight)
+
+    while scheduler.launch() and not in_flight(ended):
+        scheduler.process(backend.wait(list(scheduler.queues.inflight), 1, 1.0)[0])
+    assert in_flight(ended)
+    drop(scheduler, list(ended.values()))
+    while scheduler.launch():
+        scheduler.process(backend.wait(list(scheduler.queues.inflight), 1, 1.0)[0])
+    assert scheduler.unfinished == 0
+    assert all(a.dropped and not a.output for a in ended.values())
+    assert all(a.state == "done" and len(a.output) == a.result.decoded for a in going.values())
+    assert not any(scheduler.decoding.values())

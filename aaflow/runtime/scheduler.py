@@ -143,7 +143,7 @@ class Scheduler:
             self.open(agent)
 
     def opened(self, agent: AgentState, prefix_len: int = 0) -> None:
-        if agent.state == "dropped":  # its run ended while the session opened
+        if agent.dropped:  # its run ended while the session opened
             self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
             return
         agent.state = "open"
@@ -183,7 +183,7 @@ class Scheduler:
 
     def prefilled(self, agent: AgentState, out: dict) -> None:
         agent.busy = False
-        if agent.state == "dropped":
+        if agent.dropped:  # its run ended while the segment ran: its session is closed after this call
             return
         self.fresh_sids.discard(agent.sid)
         agent.result.prefill_computed += out["computed"]
