@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
 
 

@@ -21,7 +21,8 @@ import statistics
 import time
 
 from benchmarks.common import log, wait_until_quiet
-from benchmarks.vllm_runner import VLLM_PYTHON, VllmError, VllmRunner
+from benchmarks.vllm_runner import VllmRunner
+from benchmarks.vllm_subprocess import VLLM_PYTHON, VllmError
 
 
 def agent_specs(workflows: dict) -> dict[str, list[dict]]:

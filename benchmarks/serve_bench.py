@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
 from benchmarks.serve_load import run_threads
@@ -152,7 +151,7 @@ def _compare(sides: dict) -> dict:
 def _start_vllm(args) -> dict:
     if not args.vllm:
         return {}
-    from benchmarks.vllm_runner import VLLM_PYTHON
+    from benchmarks.vllm_subprocess import VLLM_PYTHON
 
     if not VLLM_PYTHON.exists():
         log(f"vLLM skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh)")

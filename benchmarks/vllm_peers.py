@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from benchmarks.baseline_engines import faster_mode, start_vllm, vllm_specs
 from benchmarks.common import wait_until_quiet
-from benchmarks.vllm_runner import VllmError
+from benchmarks.vllm_subprocess import VllmError
 
 
 class Peers:

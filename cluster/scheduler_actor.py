@@ -15,6 +15,7 @@ import threading
 import time
 
 from aaflow.errors import AAFlowError
+from aaflow.runtime.run_handle import RunHandle
 
 ACTOR_NAME = "scheduler"
 LEASE_S = 30.0  # a run not polled for this long is cancelled: its client is gone
@@ -129,15 +130,14 @@ def find_scheduler():
         return None
 
 
-class RemoteRunHandle:
+class RemoteRunHandle(RunHandle):
     """A run on a deployment's scheduler actor, as a `RunHandle`: a thread of this process polls
     it, calling `on_token` / `on_agent` here as the tokens arrive."""
 
     def __init__(self, actor, run_id: str, on_token, on_agent, called: float) -> None:
-        self.actor, self.run_id, self.called = actor, run_id, called
+        super().__init__(None, run_id)
+        self.actor, self.called = actor, called
         self.on_token, self.on_agent = on_token, on_agent
-        self._ended = threading.Event()
-        self._result, self._error = None, None
         threading.Thread(target=self._follow, daemon=True, name=f"aaflow-run-{run_id}").start()
 
     @classmethod
@@ -146,16 +146,6 @@ class RemoteRunHandle:
 
         called = time.perf_counter()
         return cls(actor, ray.get(actor.start.remote(workflow, strategy, options)), on_token, on_agent, called)
-
-    def done(self) -> bool:
-        return self._ended.is_set()
-
-    def result(self, timeout: float | None = None):
-        if not self._ended.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} has not ended within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._result
 
     def cancel(self) -> None:
         if not self.done():
@@ -176,11 +166,10 @@ class RemoteRunHandle:
                     break
         except BaseException as exc:  # noqa: BLE001 - the deployment went away, or a callback raised
             self.cancel()
-            self._error = exc
+            self._end(None, exc)
+            return
+        if isinstance(outcome, BaseException):
+            self._end(None, outcome)
         else:
-            if isinstance(outcome, BaseException):
-                self._error = outcome
-            else:
-                outcome.total_s = time.perf_counter() - self.called
-                self._result = outcome
-        self._ended.set()
+            outcome.total_s = time.perf_counter() - self.called
+            self._end(outcome, None)

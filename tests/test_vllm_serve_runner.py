@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_runner import VLLM_PYTHON
+from benchmarks.vllm_subprocess import VLLM_PYTHON
 
 DOC = ("The lighthouse keeper logged the weather every hour: wind from the north-west, visibility "
        "falling, a swell building from the Atlantic. At dusk a fishing boat rounded the headland, "

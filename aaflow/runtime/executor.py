@@ -1,4 +1,4 @@
-"""The executor: a workflow's agents as scheduler state, run on a cluster through a backend."""
+"""The executor: a workflow's agents as scheduler state, and a run's `RunResult` collected from them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.kvops import directive, evicted_contexts
 from aaflow.runtime.prompts import AgentInput, prompt_leaves
 from aaflow.runtime.results import RunResult
-from aaflow.runtime.scheduler import Scheduler
 from aaflow.strategies import STRATEGIES
 from aaflow.workflow.graph import AgentNode, ContextNode
 
@@ -48,21 +47,6 @@ def _composed_parts(workflow, node: AgentNode, builder, segments) -> tuple[int, 
                             "contexts at the start of the prompt (they are composed into its prefix)")
     assert sum(lengths) == len(segments[0]), "the composed contexts must make up the static prefix"
     return tuple(lengths)
-
-
-def execute(workflow, agents: dict[str, AgentState], backend, builders: dict, eos: dict[str, set[int]],
-            strategy: str, events: list[str], on_token=None, on_agent=None, **options) -> RunResult:
-    """Run the agents through the scheduler on `backend`; `options` go to `Scheduler`.
-    `on_token(name, token_id)` sees each agent's tokens as they are decoded, `on_agent(name, text)`
-    each agent's text as it finishes."""
-    def done(name: str) -> None:
-        agent = agents[name]
-        on_agent(name, builders[agent.model].tokenizer.decode(agent.output, skip_special_tokens=True))
-
-    scheduler = Scheduler(agents, backend, eos, on_token=on_token, on_done=done if on_agent else None, **options)
-    scheduler.events.extend(events)
-    scheduler.run()
-    return collect(workflow, agents, builders, strategy, scheduler.now(), scheduler.events, scheduler.prefixes.computed)
 
 
 def collect(workflow, agents: dict[str, AgentState], builders: dict, strategy: str, wall_s: float,

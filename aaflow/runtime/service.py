@@ -197,8 +197,8 @@ class RunService:
                 tag = run.id + "/"
                 mine = [name.removeprefix(tag) for name in exc.agents if name.startswith(tag)]
                 error = AgentFailedError(f"workflow {run.workflow.name!r}: " + str(exc).replace(tag, ""), mine)
-                self._end(run, error.with_traceback(None))
                 error.__cause__ = exc.__cause__
+                self._end(run, error)
 
     def _end(self, run: _Run, error: BaseException) -> None:
         """A run failed or was cancelled: drop its agents, free its shared prefixes."""
