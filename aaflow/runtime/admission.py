@@ -14,10 +14,17 @@ once per replica while any of them is admitted, not once per agent (counted per 
 with room for one 2,000-token prefix and eight agents' own blocks admitted one of the eight;
 `tests/test_admission_shared_prefix.py`). Agents that turn KV reuse off (`text-nocache`)
 and replicas without a prefix cache count every agent's prefix. The rest is conservative (an
-upstream agent's output and the block a fork copies count in full for each). Reservations cover
-this run only: other runs on the same replicas and pinned contexts are found out by the replica's
-`KVCapacityError`, which preempts. Replicas that do not say how many blocks they have (vLLM, the
-simulated clock) admit everyone: vLLM's own scheduler queues and preempts.
+upstream agent's output and the block a fork copies count in full for each).
+
+The queue knows the workflow graph: an agent whose prefix is resident on its replica (an admitted
+agent holds it, or a shared prefix lives there) is admitted before older agents that would bring a
+new one, so that the readers of a document run while its KV is there rather than after work that
+evicts it (it costs only its own blocks). Oldest first otherwise, and the oldest waiting agent is
+overtaken at most `MAX_PASSES` times, so nothing starves. Reservations cover every run of the
+cluster's one scheduling loop; pinned contexts and other clients of the replicas (another
+deployment) are found out by the replica's `KVCapacityError`, which preempts. Replicas that do not
+say how many blocks they have (vLLM, the simulated clock) admit everyone: vLLM's own scheduler
+queues and preempts.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from aaflow.strategies import TEXT_NOCACHE
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
     from aaflow.runtime.scheduler import Scheduler
+
+MAX_PASSES = 32  # times the oldest waiting agent may be overtaken by readers of a resident prefix
 
 
 class Admission:
@@ -45,6 +54,7 @@ class Admission:
         self.gated: dict[str, str] = {}  # preempted agent -> the replica where it waits for a release
         self.prefix_cache = {r.name: r.prefix_cache for r in scheduler.replicas}
         self.prefix_holders: dict[tuple, int] = {}  # (replica, prefix key) -> agents admitted holding it
+        self.passes: dict[str, int] = {}  # waiting agent -> times a reader of a resident prefix overtook it
 
     def blocks(self, agent: AgentState, replica: str) -> int:
         """The most blocks `agent` can hold on `replica`: prompt at its longest plus its output."""
@@ -75,7 +85,7 @@ class Admission:
         """Reserve room for `agent` on its replica now, or queue it (False)."""
         replica = agent.replica
         queue = self.waiting[replica]
-        if not queue and self._may_admit(agent, replica):
+        if self._may_admit(agent, replica) and (not queue or self._overtakes(agent, queue)):
             self._reserve(agent)
             return True
         if agent not in queue:
@@ -86,6 +96,7 @@ class Admission:
     def release(self, agent: AgentState) -> None:
         """`agent` ended or starts over: give its blocks back and admit whoever now fits there."""
         hold = self.holds.pop(agent.name, None)
+        self.passes.pop(agent.name, None)
         for queue in self.waiting.values():
             if agent in queue:
                 queue.remove(agent)
@@ -121,10 +132,32 @@ class Admission:
                 return True
         return False
 
+    def resident(self, agent: AgentState) -> bool:
+        """Its static prefix (a block or more) is on its replica: held by an admitted agent there,
+        or a shared prefix there."""
+        replica, key = agent.replica, agent.prefix_key
+        return self.shared_blocks(agent, replica) > 0 and (
+            (replica, key) in self.prefix_holders or replica in self.scheduler.prefixes.refs.get(key, {}))
+
+    def _overtakes(self, agent: AgentState, queue: list[AgentState]) -> bool:
+        """`agent` may go before the waiting `queue`: it reads a resident prefix and the oldest
+        waiting agent has not been overtaken `MAX_PASSES` times (counted here when it may)."""
+        head = queue[0].name
+        if not self.resident(agent) or self.passes.get(head, 0) >= MAX_PASSES:
+            return False
+        self.passes[head] = self.passes.get(head, 0) + 1
+        return True
+
     def _admit_waiting(self, replica: str) -> None:
+        """Readers of resident prefixes that fit first, oldest first; then the queue in order
+        while its head fits."""
         queue = self.waiting[replica]
         if replica in self.scheduler.dead:
             return
+        for agent in [a for a in queue[1:] if self.resident(a)]:
+            if self._may_admit(agent, replica) and self._overtakes(agent, queue):
+                queue.remove(agent)
+                self._open(agent)
         while queue and self._may_admit(queue[0], replica):
             self._open(queue.pop(0))
 
