@@ -1,4 +1,4 @@
-"""A `ray start --head` on loopback for tests, with its own ports and temp dir, stopped by killing
+"""A `ray start --head` on loopback for tests and benchmarks, with its own ports and temp dir, stopped by killing
 exactly the processes it started (its process group): never `ray stop`, which stops every Ray
 of this user on the machine."""
 

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 import aaflow as af
-from tests.ray_head import REPO, start_head
+from benchmarks.ray_head import REPO, start_head
 
 DOC = ("Paged attention stores the KV cache in fixed-size blocks, so that sequences share blocks "
        "copy-on-write and a prefix computed once serves every later request that starts with it. ") * 2
@@ -86,7 +86,7 @@ def test_connect_without_a_deployment_names_the_fix(head):
         af.connect(head.address)
     out = cli(head, "status", "--address", head.address, check=False)
     assert out.returncode == 2 and "no aaflow deployment" in out.stderr
-    from tests.ray_head import free_ports
+    from benchmarks.ray_head import free_ports
 
     with pytest.raises(af.DeploymentError, match="nothing answers at"):
         af.connect(f"127.0.0.1:{free_ports(1)[0]}")
