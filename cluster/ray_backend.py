@@ -44,9 +44,9 @@ class RayBackend(Backend):
     def submit(self, replica: str, call: Call) -> Ticket:
         actor = self.handles[replica].actor
         if call.threads:
-            ref = actor.with_threads.remote(call.threads, call.method, *call.args)
+            ref = actor.with_threads.remote(call.threads, call.method, *call.arguments())
         else:
-            ref = getattr(actor, call.method).remote(*call.args)
+            ref = getattr(actor, call.method).remote(*call.arguments())
         ticket = Ticket(next(self._seq), replica, call)
         self.refs[ticket] = ref
         return ticket

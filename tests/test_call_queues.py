@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.call_queues import CallQueues
-from aaflow.runtime.calls import CallKind
+from aaflow.runtime.calls import CallKind, CloseCall, OpenCall, PrefillCall
 from aaflow.runtime.results import AgentResult
 
 
@@ -63,9 +63,9 @@ def test_opens_and_closes_go_between_two_steps_and_the_prompt_behind_them_mixes_
     queues = _queues_with_8_decoding(backend)
     queues.last_kind["r0"] = CallKind.STEP  # the replica has just stepped
     for sid in ("x", "y", "z"):
-        queues.call("r0", CallKind.CLOSE, f"old-{sid}")
-        queues.call("r0", CallKind.OPEN, sid, None)
-    queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
+        queues.call("r0", CloseCall(f"old-{sid}"))
+        queues.call("r0", OpenCall(sid))
+    queues.call("r0", PrefillCall("w", [1, 2, 3]))
     queues.launch()
     assert backend.kinds == ["CLOSE", "OPEN"] * 3 and len(queues.inflight) == 6  # sent together
     queues.launch()
@@ -84,6 +84,6 @@ def test_after_a_refused_mixed_step_the_decoding_agents_step_alone_once():
     backend = Launches()
     queues = _queues_with_8_decoding(backend)
     queues.step_first.add("r0")  # what `Recovery.kv_short` does after a refused MIXED call
-    queues.call("r0", CallKind.PREFILL, "w", [1, 2, 3], None, True)
+    queues.call("r0", PrefillCall("w", [1, 2, 3]))
     _run(queues, 2)
     assert backend.kinds == ["STEP", "MIXED"]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aaflow.runtime.calls import Call, CallKind, PrefillRequest
+from aaflow.runtime.calls import MaterializeCall, OpenCall, PackCall, PrefillCall, PrefillRequest
 from aaflow.runtime.core_lending import lent_threads
 from cluster.replica import ModelReplica
 
@@ -17,11 +17,11 @@ def _replicas(*specs):
 
 
 def test_call_tokens_counts_what_each_prefill_call_computes():
-    assert Call(CallKind.MATERIALIZE, ([1] * 300,)).tokens == 300
-    assert Call(CallKind.PREFILL, ("sid", [1] * 40, None, True)).tokens == 40
+    assert MaterializeCall([1] * 300).tokens == 300
+    assert PrefillCall("sid", [1] * 40, None, True).tokens == 40
     pack = [PrefillRequest("a", [1] * 30, None, True), PrefillRequest("b", [1] * 50, None, False)]
-    assert Call(CallKind.PACK, (pack,)).tokens == 80
-    assert Call(CallKind.OPEN, ("sid",)).tokens == 0
+    assert PackCall(pack).tokens == 80
+    assert OpenCall("sid").tokens == 0
 
 
 def test_only_idle_builtin_replicas_of_the_same_node_lend_their_threads():

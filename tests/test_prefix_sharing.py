@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from aaflow.runtime.calls import CallKind
+from aaflow.runtime.calls import ComposeCall, FreeCall, MaterializeCall
 from aaflow.runtime.prefix_sharing import PrefixSharing
 
 
@@ -29,7 +29,7 @@ def test_a_composed_prefix_made_on_two_replicas_at_once_keeps_both_compositions(
     """Two failed transfers of one composed prefix: each destination composes it; a refusal on one
     abandons that one only."""
     calls = []
-    queues = SimpleNamespace(call=lambda replica, kind, *args, then=None: calls.append((replica, kind, args, then)))
+    queues = SimpleNamespace(call=lambda replica, call, then=None: calls.append((replica, call, then)))
     sharing = PrefixSharing(SimpleNamespace(queues=queues), "ray")
     prefix = ("model", (1, 2, 3), ("exact", 0, (1, 2)))
     at_r1, at_r2 = object(), object()
@@ -39,27 +39,25 @@ def test_a_composed_prefix_made_on_two_replicas_at_once_keeps_both_compositions(
     assert sharing.materialize_refused("r1", [2, 3]) == [at_r1]
     assert list(sharing.composing) == [prefix + ("r2",)] and list(sharing.waiters) == [prefix + ("r2",)]
     r2_calls = [c for c in calls if c[0] == "r2"]
-    r2_calls[0][3](SimpleNamespace(id="a"))
-    r2_calls[1][3](SimpleNamespace(id="b"))
-    assert calls[-1][:3] == ("r2", CallKind.COMPOSE, (["a", "b"], "exact", 0))  # r2 still composes
+    r2_calls[0][2](SimpleNamespace(id="a"))
+    r2_calls[1][2](SimpleNamespace(id="b"))
+    assert calls[-1][:2] == ("r2", ComposeCall(["a", "b"], "exact", 0))  # r2 still composes
 
 
 def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back_its_waiters():
     calls = []
-    queues = SimpleNamespace(call=lambda replica, kind, *args, then=None: calls.append((kind, args, then)))
+    queues = SimpleNamespace(call=lambda replica, call, then=None: calls.append((call, then)))
     sharing = PrefixSharing(SimpleNamespace(queues=queues), "ray")
     prefix = ("model", (1, 2, 3, 4, 5, 6), ("exact", 0, (2, 3, 1)))
     waiter = object()
     sharing.waiters[prefix + ("r0",)] = [waiter]
     sharing.origin[prefix] = "r0"
     sharing._materialize(prefix, "r0")
-    assert [(kind, args[0]) for kind, args, _ in calls] == [(CallKind.MATERIALIZE, [1, 2]),
-                                                             (CallKind.MATERIALIZE, [3, 4, 5]),
-                                                             (CallKind.MATERIALIZE, [6])]
-    made_first, made_last = calls[0][2], calls[2][2]
+    assert [call for call, _ in calls] == [MaterializeCall([1, 2]), MaterializeCall([3, 4, 5]), MaterializeCall([6])]
+    made_first, made_last = calls[0][1], calls[2][1]
     made_first(SimpleNamespace(id="part0"))
     assert sharing.materialize_refused("r0", [3, 4, 5]) == [waiter]
-    assert calls[-1][:2] == (CallKind.FREE, ("part0",))  # the part made so far
+    assert calls[-1][0] == FreeCall("part0")  # the part made so far
     made_last(SimpleNamespace(id="part2"))  # a part that ends after the refusal is freed too
-    assert calls[-1][:2] == (CallKind.FREE, ("part2",))
+    assert calls[-1][0] == FreeCall("part2")
     assert not sharing.composing and prefix not in sharing.origin and not sharing.waiters

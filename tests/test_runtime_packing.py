@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from aaflow.runtime.calls import Call, CallKind
+from aaflow.runtime.calls import CloseCall, PrefillCall
 from aaflow.runtime.packing import PACK_MAX_TOKENS, pack_prefills
 
 SYSTEM = list(range(1000, 1000 + 1500))  # a long shared system prompt
 
 
 def _chunk(sid: str, ids: list[int], reuse: bool = True) -> tuple:
-    return Call(CallKind.PREFILL, (sid, ids, None, reuse)), lambda out: None
+    return PrefillCall(sid, ids, None, reuse), lambda out: None
 
 
 def _sids(item: tuple) -> list[str]:
@@ -26,7 +26,7 @@ def test_first_prompts_sharing_a_system_prompt_go_in_one_call():
 
 
 def test_continuations_and_prompts_without_reuse_count_in_full():
-    close = (Call(CallKind.CLOSE, ("c",)), None)
+    close = (CloseCall("c"), None)
     queue = deque([_chunk("b1", SYSTEM + [8]), _chunk("b2", SYSTEM + [9], reuse=False), close])
     packed = pack_prefills(_chunk("b0", SYSTEM + [7]), queue, fresh={"b0", "b2"})  # b1 continues a session
     assert _sids(packed) == ["b0"]  # 1,501 more tokens each would pass PACK_MAX_TOKENS

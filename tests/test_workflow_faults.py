@@ -52,7 +52,7 @@ def test_a_shared_prefix_gone_with_a_restarted_replica_does_not_fail_the_finishe
     before the run frees it answers the free with KVRefFreedError (chaos test, fan_out/transfer):
     the agents' texts stand, nothing is left to free. Simulated: every free answers so after freeing."""
     from aaflow.errors import KVRefFreedError
-    from aaflow.runtime.calls import CallKind
+    from aaflow.runtime.calls import FreeCall
     from cluster.ray_backend import RayBackend
 
     cluster, model = fresh_cluster
@@ -62,8 +62,8 @@ def test_a_shared_prefix_gone_with_a_restarted_replica_does_not_fail_the_finishe
 
     def lost_after_free(self, ticket):
         value = real_result(self, ticket)
-        if ticket.call.kind is CallKind.FREE:
-            raise KVRefFreedError(f"no KVRef {ticket.call.args[0]} on replica {ticket.replica}")
+        if isinstance(ticket.call, FreeCall):
+            raise KVRefFreedError(f"no KVRef {ticket.call.ref_id} on replica {ticket.replica}")
         return value
 
     monkeypatch.setattr(RayBackend, "result", lost_after_free)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 
 from aaflow.errors import KVRefFreedError
 from aaflow.runtime.backend import Backend, ReplicaLostError, Ticket
-from aaflow.runtime.calls import Call, CallKind
+from aaflow.runtime.calls import Call, CallKind, MixedCall, StepCall, StepsCall
 from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
 from aaflow.runtime.packing import Queued, pack_prefills
 from aaflow.runtime.step_groups import steps_per_call, stops
@@ -43,9 +43,9 @@ class CallQueues:
         self.last_kind: dict[str, CallKind] = {}
         self.step_first: set[str] = set()  # replicas whose mixed step was refused: they step alone next
 
-    def call(self, replica: str, kind: CallKind, *args, then: Callable | None = None) -> None:
-        """Queue a call on `replica`; `then(value)` runs when it has ended."""
-        self.queues[replica].append((Call(kind, args), then))
+    def call(self, replica: str, call: Call, then: Callable | None = None) -> None:
+        """Queue `call` on `replica`; `then(value)` runs when it has ended."""
+        self.queues[replica].append((call, then))
 
     def drain(self, timeout_s: float) -> None:
         """Run what is still queued once every agent has ended (session closes, releases, the shared
@@ -82,7 +82,7 @@ class CallQueues:
                 self._step(name, decoding, 1)
             elif decoding and queue and queue[0][0].kind is CallKind.PREFILL:  # decode and prefill in one pass
                 pack, answer = self._pack(name, always=True)
-                call = Call(CallKind.MIXED, ([a.sid for a in decoding], pack.args[0]))
+                call = MixedCall([a.sid for a in decoding], pack.requests)
                 self._start(name, call, lambda out, ds=decoding, a=answer: self._on_mixed(ds, a, out))
             elif decoding and (not queue or not self.last_kind.get(name, CallKind.OPEN).steps):
                 only = len(self.replicas) - len(dead) == 1
@@ -96,9 +96,9 @@ class CallQueues:
         """One decode step of `decoding`, or a group of `steps` in one call."""
         sids = [a.sid for a in decoding]
         if steps == 1:
-            self._start(name, Call(CallKind.STEP, (sids,)), lambda tokens: self.scheduler.on_step(decoding, tokens))
+            self._start(name, StepCall(sids), lambda tokens: self.scheduler.on_step(decoding, tokens))
         else:
-            call = Call(CallKind.STEPS, (sids, steps, stops(decoding, self.scheduler.eos)))
+            call = StepsCall(sids, steps, stops(decoding, self.scheduler.eos))
             self._start(name, call, lambda out: self.scheduler.on_steps(decoding, *out))
 
     def _start(self, name: str, call: Call, then: Callable | None) -> None:

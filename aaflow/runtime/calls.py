@@ -1,33 +1,34 @@
-"""The calls the scheduler sends to a replica: frozen values with an enum kind.
+"""The calls the scheduler sends to a replica: one frozen dataclass per kind.
 
-A call names a `ModelReplica` method and its arguments; a backend runs it (the Ray backend on a
-replica actor, the simulated clock by predicting its duration). Prompt segments of several
-sessions travel as `PrefillRequest`s.
+A call names a `ModelReplica` method (`kind.value`) and holds its arguments as named fields, in the
+method's order; `arguments()` is the one place that turns them into the method's positional
+arguments. A backend runs it (the Ray backend on a built-in or vLLM replica actor, the simulated
+clock by predicting its duration). Prompt segments of several sessions travel as `PrefillRequest`s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple, Self, Sequence
 
 
 class CallKind(Enum):
     """What a call does; the value is the replica method that does it."""
 
-    OPEN = "session_open"  # (sid, fork_of ref id or None)
-    MATERIALIZE = "materialize"  # (token_ids,): prefill a shared prefix as a KVRef
-    COMPOSE = "compose"  # (ref ids, mode, r): one KVRef for the refs' contexts in order
-    PREFILL = "session_prefill"  # (sid, token_ids, sampling, reuse_prefix)
-    PACK = "session_prefill_many"  # (requests,): several sessions' prompt segments in one pass
-    STEP = "session_step"  # (sids,): one batched decode step
-    STEPS = "session_steps"  # (sids, steps, stops): up to `steps` decode steps in one call (cluster.multi_step)
-    MIXED = "session_step_mixed"  # (sids, requests): a decode step and prompt segments in one pass
-    EXPOSE = "expose"  # (ref id, transport): make a ref's blocks readable by another replica
-    RECEIVE = "receive"  # (handle, shape, record, transport): fetch exposed blocks as a new ref
-    RELEASE = "release"  # (handle, transport): end an exposure
-    CLOSE = "session_close"  # (sid,)
-    FREE = "free"  # (ref id,)
+    OPEN = "session_open"  # OpenCall
+    MATERIALIZE = "materialize"  # MaterializeCall
+    COMPOSE = "compose"  # ComposeCall
+    PREFILL = "session_prefill"  # PrefillCall
+    PACK = "session_prefill_many"  # PackCall
+    STEP = "session_step"  # StepCall
+    STEPS = "session_steps"  # StepsCall (cluster.multi_step)
+    MIXED = "session_step_mixed"  # MixedCall
+    EXPOSE = "expose"  # ExposeCall
+    RECEIVE = "receive"  # ReceiveCall
+    RELEASE = "release"  # ReleaseCall
+    CLOSE = "session_close"  # CloseCall
+    FREE = "free"  # FreeCall
 
     def __init__(self, method: str) -> None:
         # Plain attributes, not properties: the scheduler asks them of every call.
@@ -55,42 +56,184 @@ class PrefillRequest(NamedTuple):
 
 @dataclass(frozen=True)
 class Call:
-    """One replica call. `threads` > 0: run it on that many threads (idle replicas lend theirs)."""
+    """One replica call; build one of its subclasses. Their positional fields are the replica
+    method's arguments, in its order. `threads` > 0: run it on that many threads (idle replicas
+    lend theirs). Each kind has `requests`, the prompt segments it carries: a field of PACK and
+    MIXED, a property of PREFILL, () for the others (`_NoPrompt`). It is not declared here: a field
+    declared here keeps its place before the subclass's fields, and a default would be inherited."""
 
-    kind: CallKind
-    args: tuple = ()
-    threads: int = 0
+    kind: ClassVar[CallKind]
+    threads: int = field(default=0, kw_only=True)
 
     @property
     def method(self) -> str:
+        """The replica method that runs the call."""
         return self.kind.value
 
-    @property
-    def requests(self) -> list[PrefillRequest]:
-        """The prompt segments a prefill call carries (one for PREFILL, none for MATERIALIZE)."""
-        if self.kind is CallKind.PREFILL:
-            return [PrefillRequest(*self.args)]
-        if self.kind is CallKind.PACK:
-            return list(self.args[0])
-        if self.kind is CallKind.MIXED:
-            return list(self.args[1])
-        return []
+    def arguments(self) -> tuple[Any, ...]:
+        """The replica method's positional arguments: the positional fields (`threads` is not one)."""
+        return tuple(getattr(self, name) for name in self.__match_args__)
 
     @property
     def sessions(self) -> list[str]:
         """The session ids the call works on."""
-        if self.kind in (CallKind.OPEN, CallKind.CLOSE):
-            return [self.args[0]]
-        if self.kind.steps:
-            return list(self.args[0]) + [r.sid for r in self.requests]
         return [r.sid for r in self.requests]
 
     @property
     def tokens(self) -> int:
         """Prompt tokens a prefill call computes at most (0 for other calls)."""
-        if self.kind is CallKind.MATERIALIZE:
-            return len(self.args[0])
         return sum(len(r.token_ids) for r in self.requests)
 
-    def with_threads(self, threads: int) -> "Call":
-        return Call(self.kind, self.args, threads)
+    def with_threads(self, threads: int) -> Self:
+        """The same call on `threads` threads."""
+        return replace(self, threads=threads)
+
+
+@dataclass(frozen=True)
+class _NoPrompt(Call):
+    """A call that carries no prompt segment."""
+
+    requests: ClassVar[Sequence[PrefillRequest]] = ()
+
+
+@dataclass(frozen=True)
+class _OneSession(_NoPrompt):
+    """A call on session `sid`."""
+
+    sid: str
+
+    @property
+    def sessions(self) -> list[str]:
+        return [self.sid]
+
+
+@dataclass(frozen=True)
+class _Decode(Call):
+    """A call with a decode step of sessions `sids`."""
+
+    sids: list[str]
+
+    @property
+    def sessions(self) -> list[str]:
+        return list(self.sids) + [r.sid for r in self.requests]
+
+
+@dataclass(frozen=True)
+class OpenCall(_OneSession):
+    """Open session `sid`, empty or continuing the ref `fork_of`."""
+
+    kind = CallKind.OPEN
+    fork_of: str | None = None
+
+
+@dataclass(frozen=True)
+class MaterializeCall(_NoPrompt):
+    """Prefill `token_ids` as a new KVRef (a shared prefix, or a part of a composed one)."""
+
+    kind = CallKind.MATERIALIZE
+    token_ids: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ComposeCall(_NoPrompt):
+    """One new KVRef for the contexts of refs `ref_ids` in order (`mode`, `r`: `KVRunner.compose`)."""
+
+    kind = CallKind.COMPOSE
+    ref_ids: list[str]
+    mode: str
+    r: float
+
+
+@dataclass(frozen=True)
+class PrefillCall(Call):
+    """Append one prompt segment to session `sid` (the fields of a `PrefillRequest`)."""
+
+    kind = CallKind.PREFILL
+    sid: str
+    token_ids: list[int]
+    sampling: object = None
+    reuse_prefix: bool = True
+
+    @property
+    def requests(self) -> list[PrefillRequest]:
+        return [PrefillRequest(self.sid, self.token_ids, self.sampling, self.reuse_prefix)]
+
+
+@dataclass(frozen=True)
+class PackCall(Call):
+    """Several sessions' prompt segments in one forward pass."""
+
+    kind = CallKind.PACK
+    requests: list[PrefillRequest]
+
+
+@dataclass(frozen=True)
+class StepCall(_Decode, _NoPrompt):
+    """One batched decode step of sessions `sids`."""
+
+    kind = CallKind.STEP
+
+
+@dataclass(frozen=True)
+class StepsCall(_Decode, _NoPrompt):
+    """Up to `steps` decode steps of `sids` in one call; `stops`: a `StepStop` tuple per session."""
+
+    kind = CallKind.STEPS
+    steps: int
+    stops: list[tuple]
+
+
+@dataclass(frozen=True)
+class MixedCall(_Decode):
+    """A decode step of `sids` and the prompt segments `requests` in one forward pass."""
+
+    kind = CallKind.MIXED
+    requests: list[PrefillRequest]
+
+
+@dataclass(frozen=True)
+class ExposeCall(_NoPrompt):
+    """Make ref `ref_id`'s blocks readable by another replica over `transport`."""
+
+    kind = CallKind.EXPOSE
+    ref_id: str
+    transport: str
+
+
+@dataclass(frozen=True)
+class ReceiveCall(_NoPrompt):
+    """Fetch the blocks another replica exposed (what its `ExposeCall` answered) as a new ref."""
+
+    kind = CallKind.RECEIVE
+    handle: Any
+    shape: Any
+    record: Any
+    transport: str
+
+
+@dataclass(frozen=True)
+class ReleaseCall(_NoPrompt):
+    """End the exposure `handle` (over `transport`)."""
+
+    kind = CallKind.RELEASE
+    handle: Any
+    transport: str
+
+
+@dataclass(frozen=True)
+class CloseCall(_OneSession):
+    """Close session `sid` and free its KV."""
+
+    kind = CallKind.CLOSE
+
+
+@dataclass(frozen=True)
+class FreeCall(_NoPrompt):
+    """Free ref `ref_id`."""
+
+    kind = CallKind.FREE
+    ref_id: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aaflow.runtime.calls import CallKind
+from aaflow.runtime.calls import CloseCall, PrefillCall
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
@@ -31,11 +31,11 @@ def drop(scheduler: Scheduler, agents: list[AgentState]) -> None:
             s.load[replica] -= 1
             queue = s.queues.queues.get(replica)
             if queue:
-                kept = [q for q in queue if not (q[0].kind is CallKind.PREFILL and q[0].args[0] == agent.sid)]
+                kept = [q for q in queue if not (isinstance(q[0], PrefillCall) and q[0].sid == agent.sid)]
                 queue.clear()
                 queue.extend(kept)
             if agent.state not in ("new", "admitting") and replica not in s.dead:
-                s.queues.call(replica, CallKind.CLOSE, agent.sid)
+                s.queues.call(replica, CloseCall(agent.sid))
         s.admission.release(agent)
         s.admission.gated.pop(agent.name, None)
         for key, waiting in list(s.prefixes.waiters.items()):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from aaflow.runtime.calls import Call, CallKind
+from aaflow.runtime.calls import Call, PackCall, PrefillCall
 
 # Tokens a pack may add to compute beyond its first request's: calls stay short, so decode steps interleave.
 PACK_MAX_TOKENS = 1024
@@ -33,21 +33,21 @@ def pack_prefills(first: Queued, queue: deque, fresh: set[str], always: bool = F
     system prompt go in one call. A lone call comes back as it was, unless `always`."""
     taken, rest, total = [first], deque(), 0
     leaders: dict[tuple, list[int]] = {}  # first LEADER_KEY_TOKENS ids -> the fresh request leading them
-    _tokens_to_compute(first[0].args, leaders, fresh)  # it may lead
+    _tokens_to_compute(first[0], leaders, fresh)  # it may lead
     while queue:
         item = queue.popleft()
-        if item[0].kind is not CallKind.PREFILL:
+        call = item[0]
+        if not isinstance(call, PrefillCall):
             rest.append(item)
             continue
-        args = item[0].args  # (sid, token_ids, sampling, reuse_prefix)
-        cost = _tokens_to_compute(args, leaders, fresh) if args[3] and args[0] in fresh else len(args[1])
+        cost = _tokens_to_compute(call, leaders, fresh)
         if total + cost <= PACK_MAX_TOKENS:
             taken.append(item)
             total += cost
         else:
             rest.append(item)
-            key = tuple(args[1][:LEADER_KEY_TOKENS]) if leaders else None
-            if key is not None and leaders.get(key) is args[1]:  # left out, it cannot lead
+            key = tuple(call.token_ids[:LEADER_KEY_TOKENS]) if leaders else None
+            if key is not None and leaders.get(key) is call.token_ids:  # left out, it cannot lead
                 del leaders[key]
     queue.extend(rest)
     if len(taken) == 1 and not always:
@@ -59,14 +59,14 @@ def pack_prefills(first: Queued, queue: deque, fresh: set[str], always: bool = F
         for then, out in zip(thens, outs):
             then(out)
 
-    return Call(CallKind.PACK, (requests,)), answer_each
+    return PackCall(requests), answer_each
 
 
-def _tokens_to_compute(args: tuple, leaders: dict, fresh: set[str]) -> int:
-    """The request's tokens (`args` of a PREFILL call) minus what it shares with the first fresh
-    request of the pack that starts like it (`leaders`, updated here)."""
-    sid, ids, _, reuse = args
-    if not (reuse and sid in fresh):
+def _tokens_to_compute(call: PrefillCall, leaders: dict, fresh: set[str]) -> int:
+    """The call's tokens minus what it shares with the first fresh request of the pack that
+    starts like it (`leaders`, updated here)."""
+    ids = call.token_ids
+    if not (call.reuse_prefix and call.sid in fresh):
         return len(ids)
     leader = leaders.setdefault(tuple(ids[:LEADER_KEY_TOKENS]), ids)
     if leader is ids:

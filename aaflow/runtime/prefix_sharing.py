@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aaflow.runtime.calls import CallKind
+from aaflow.runtime.calls import ComposeCall, ExposeCall, FreeCall, MaterializeCall, OpenCall, ReceiveCall, ReleaseCall
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
@@ -51,7 +51,7 @@ class PrefixSharing:
         if rname in holders:
             agent.prefix_via = agent.prefix_via or "reuse"
             agent.result.fidelity = self.fidelity.get(prefix)
-            self.queues.call(rname, CallKind.OPEN, agent.sid, holders[rname],
+            self.queues.call(rname, OpenCall(agent.sid, holders[rname]),
                              then=lambda _: self.scheduler.opened(agent, prefix_len=len(prefix[1])))
             return
         waiting = self.waiters.setdefault(prefix + (rname,), [])
@@ -74,7 +74,7 @@ class PrefixSharing:
     def _materialize(self, prefix: Prefix, rname: str) -> None:
         """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
         if prefix[2] is None:
-            self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1]),
+            self.queues.call(rname, MaterializeCall(list(prefix[1])),
                              then=lambda rec: self._materialized(prefix, rname, rec))
             return
         mode, r, lengths = prefix[2]
@@ -83,16 +83,16 @@ class PrefixSharing:
 
         def made(i: int, record) -> None:
             if self.composing.get(prefix + (rname,)) is not parts:  # abandoned: another part was refused
-                self.queues.call(rname, CallKind.FREE, record.id)
+                self.queues.call(rname, FreeCall(record.id))
                 return
             parts[i] = record
             if all(p is not None for p in parts):
-                self.queues.call(rname, CallKind.COMPOSE, [p.id for p in parts], mode, r, then=composed)
+                self.queues.call(rname, ComposeCall([p.id for p in parts], mode, r), then=composed)
 
         def composed(record) -> None:
             del self.composing[prefix + (rname,)]
             for part in parts:
-                self.queues.call(rname, CallKind.FREE, part.id)
+                self.queues.call(rname, FreeCall(part.id))
             self.fidelity[prefix] = record.fidelity
             recomputed = record.fidelity.recomputed_tokens if record.fidelity is not None else 0
             self._count(prefix, rname, sum(p.computed for p in parts) + recomputed)
@@ -100,7 +100,7 @@ class PrefixSharing:
 
         start = 0
         for i, n in enumerate(lengths):
-            self.queues.call(rname, CallKind.MATERIALIZE, list(prefix[1][start:start + n]),
+            self.queues.call(rname, MaterializeCall(list(prefix[1][start:start + n])),
                              then=lambda rec, i=i: made(i, rec))
             start += n
 
@@ -111,16 +111,16 @@ class PrefixSharing:
 
         def received(res) -> None:
             self.transferring.pop(key, None)
-            self.queues.call(source, CallKind.RELEASE, handle_of[0], self.transport)
+            self.queues.call(source, ReleaseCall(handle_of[0], self.transport))
             self._ready(prefix, dest, res[0].id, res[1].nbytes, received=True)
 
         def exposed(out) -> None:
             handle, shape, record = out
             handle_of.append(handle)
             self.transferring[key] = (source, handle, self.transport)
-            self.queues.call(dest, CallKind.RECEIVE, handle, shape, record, self.transport, then=received)
+            self.queues.call(dest, ReceiveCall(handle, shape, record, self.transport), then=received)
 
-        self.queues.call(source, CallKind.EXPOSE, ref_id, self.transport, then=exposed)
+        self.queues.call(source, ExposeCall(ref_id, self.transport), then=exposed)
 
     def _count(self, prefix: Prefix, rname: str, tokens: int) -> None:
         """`tokens` were computed to make `prefix` on `rname`; its first waiter's run counts them."""
@@ -161,7 +161,7 @@ class PrefixSharing:
         first); an agent that needs one again has it computed or transferred anew."""
         for prefix, holders in self.refs.items():
             if rname in holders:
-                self.queues.call(rname, CallKind.FREE, holders.pop(rname))
+                self.queues.call(rname, FreeCall(holders.pop(rname)))
                 if self.origin.get(prefix) == rname:
                     del self.origin[prefix]
 
@@ -174,7 +174,7 @@ class PrefixSharing:
     def free(self, holders: dict[str, str]) -> None:
         for rname, ref_id in holders.items():
             if rname not in self.scheduler.dead:
-                self.queues.call(rname, CallKind.FREE, ref_id)
+                self.queues.call(rname, FreeCall(ref_id))
 
     def replica_died(self, rname: str) -> None:
         """Forget what the dead replica held or awaited; whoever waited for a prefix it was
@@ -186,7 +186,7 @@ class PrefixSharing:
             if key[-1] == rname:
                 del self.transferring[key]
                 if handle is not None and source not in self.scheduler.dead:  # the source still exposes it
-                    self.queues.call(source, CallKind.RELEASE, handle, transport)
+                    self.queues.call(source, ReleaseCall(handle, transport))
             elif source == rname:  # the source died: the destination gets it another way
                 del self.transferring[key]
                 self._fetch(key[:-1], key[-1])
@@ -213,7 +213,7 @@ class PrefixSharing:
         if prefix is not None:
             for part in self.composing.pop(prefix + (rname,), []):
                 if part is not None:
-                    self.queues.call(rname, CallKind.FREE, part.id)
+                    self.queues.call(rname, FreeCall(part.id))
         return [agent for key in keys for agent in self.waiters.pop(key)]
 
     def transfer_failed(self) -> None:
@@ -221,7 +221,7 @@ class PrefixSharing:
         for key, (source, handle, transport) in list(self.transferring.items()):
             del self.transferring[key]
             if handle is not None:
-                self.queues.call(source, CallKind.RELEASE, handle, transport)
+                self.queues.call(source, ReleaseCall(handle, transport))
             self._materialize(key[:-1], key[-1])
 
 

@@ -18,7 +18,8 @@ import random
 from typing import TYPE_CHECKING
 
 from aaflow.errors import AAFlowError, KVCapacityError, KVRefFreedError
-from aaflow.runtime.calls import Call, CallKind
+from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
+                                  OpenCall, ReceiveCall, ReleaseCall)
 
 if TYPE_CHECKING:
     from aaflow.runtime.backend import Ticket
@@ -57,14 +58,14 @@ class Recovery:
         share its replicas."""
         s = self.scheduler
         calls = self._made_in_flight()
-        calls += [(a.replica, Call(CallKind.CLOSE, (a.sid,))) for a in s.agents.values()
+        calls += [(a.replica, CloseCall(a.sid)) for a in s.agents.values()
                  if a.replica is not None and a.replica not in s.dead and a.state != "done"]
-        calls += [(source, Call(CallKind.RELEASE, (handle, transport)))
+        calls += [(source, ReleaseCall(handle, transport))
                   for source, handle, transport in s.prefixes.transferring.values()
                   if handle is not None and source not in s.dead]  # an exposure holds the source's blocks
-        calls += [(rname, Call(CallKind.FREE, (ref_id,))) for holders in s.prefixes.refs.values()
+        calls += [(rname, FreeCall(ref_id)) for holders in s.prefixes.refs.values()
                   for rname, ref_id in holders.items() if rname not in s.dead]
-        calls += [(key[-1], Call(CallKind.FREE, (part.id,))) for key, parts in s.prefixes.composing.items()
+        calls += [(key[-1], FreeCall(part.id)) for key, parts in s.prefixes.composing.items()
                   for part in parts if part is not None and key[-1] not in s.dead]
         s.prefixes.composing.clear()
         s.prefixes.transferring.clear()
@@ -83,12 +84,12 @@ class Recovery:
                 value = s.backend.result(ticket)
             except Exception:  # noqa: BLE001 - a call that failed holds nothing
                 continue
-            kind = ticket.call.kind
-            if kind in (CallKind.MATERIALIZE, CallKind.COMPOSE, CallKind.RECEIVE):
-                record = value[0] if kind is CallKind.RECEIVE else value  # RECEIVE: (record, stats)
-                frees.append((ticket.replica, Call(CallKind.FREE, (record.id,))))
-            elif kind is CallKind.EXPOSE:  # (handle, shape, record); args: (ref id, transport)
-                frees.append((ticket.replica, Call(CallKind.RELEASE, (value[0], ticket.call.args[1]))))
+            call = ticket.call
+            if isinstance(call, (MaterializeCall, ComposeCall, ReceiveCall)):
+                record = value[0] if isinstance(call, ReceiveCall) else value  # RECEIVE: (record, stats)
+                frees.append((ticket.replica, FreeCall(record.id)))
+            elif isinstance(call, ExposeCall):  # (handle, shape, record)
+                frees.append((ticket.replica, ReleaseCall(value[0], call.transport)))
         return frees
 
     def _restart(self, agent, gate: bool = False) -> None:
@@ -110,7 +111,7 @@ class Recovery:
         for name in agent.consumers:
             consumer = s.agents[name]
             if consumer.state not in ("new", "admitting", "done") and consumer not in lost and consumer.fed:
-                s.queues.call(consumer.replica, CallKind.CLOSE, consumer.sid)
+                s.queues.call(consumer.replica, CloseCall(consumer.sid))
                 self._restart(consumer)
 
     def backoff_s(self, agent) -> float:
@@ -129,7 +130,7 @@ class Recovery:
             self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
             s.events.append(f"{s.now():.2f}s preempted {agent.name} on {rname}: it holds KV while other runs "
                             "hold what its run needs; it starts over later")
-            s.queues.call(rname, CallKind.CLOSE, agent.sid)
+            s.queues.call(rname, CloseCall(agent.sid))
             self._restart_with_readers(agent, gate=True)
         s.prefixes.drop_held(rname)
 
@@ -137,7 +138,7 @@ class Recovery:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
         s = self.scheduler
         call = ticket.call
-        if call.kind is CallKind.MIXED:  # its decode step did not run either: the next call steps alone
+        if isinstance(call, MixedCall):  # its decode step did not run either: the next call steps alone
             s.queues.step_first.add(ticket.replica)
         on_replica = {a.sid: a for a in s.agents.values() if a.replica == ticket.replica and a.state != "done"}
         if call.kind.steps and not call.requests:
@@ -145,10 +146,10 @@ class Recovery:
             victims = [max(decoding, key=lambda a: a.order)] if decoding else []
         else:
             victims = [on_replica[r.sid] for r in call.requests if r.sid in on_replica]
-            if call.kind is CallKind.OPEN and call.args[0] in on_replica:
-                victims = [on_replica[call.args[0]]]
-            if call.kind is CallKind.MATERIALIZE:
-                victims = s.prefixes.materialize_refused(ticket.replica, call.args[0])
+            if isinstance(call, OpenCall) and call.sid in on_replica:
+                victims = [on_replica[call.sid]]
+            if isinstance(call, MaterializeCall):
+                victims = s.prefixes.materialize_refused(ticket.replica, call.token_ids)
         if not victims:
             self.call_failed(ticket, exc, preempt=False)
             return
@@ -160,7 +161,7 @@ class Recovery:
             s.events.append(f"{s.now():.2f}s preempted {agent.name} on {ticket.replica} ({exc}); "
                             "it starts over when KV frees up there")
             if agent.state != "opening":  # an agent waiting for a shared prefix has no session yet
-                s.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+                s.queues.call(agent.replica, CloseCall(agent.sid))
             self._restart_with_readers(agent, gate=True)
 
     def replica_died(self, rname: str) -> None:
@@ -213,7 +214,7 @@ class Recovery:
 
     def call_failed(self, ticket: Ticket, exc: BaseException, preempt: bool = True) -> None:
         s = self.scheduler
-        if ticket.call.kind is CallKind.FREE and isinstance(exc, KVRefFreedError):
+        if isinstance(ticket.call, FreeCall) and isinstance(exc, KVRefFreedError):
             self.free_found_nothing(ticket.replica)
             return
         if preempt and isinstance(exc, KVCapacityError) and not ticket.call.kind.transfers:

@@ -29,7 +29,7 @@ from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaLostError
 from aaflow.runtime.call_queues import CallQueues
-from aaflow.runtime.calls import CallKind, PrefillRequest
+from aaflow.runtime.calls import CloseCall, OpenCall, PrefillCall
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.feeding import consume, feedable
 from aaflow.runtime.recovery import AgentFailedError, Recovery
@@ -135,7 +135,7 @@ class Scheduler:
         if agent.shares_prefix:
             self.prefixes.fork_into(agent, agent.prefix_key)
             return
-        self.queues.call(agent.replica, CallKind.OPEN, agent.sid, None, then=lambda _: self.opened(agent))
+        self.queues.call(agent.replica, OpenCall(agent.sid), then=lambda _: self.opened(agent))
 
     def open_if_ready(self, agent: AgentState) -> None:
         """Streaming and prefix-sharing agents open at once; text / recompute once their inputs are done."""
@@ -144,7 +144,7 @@ class Scheduler:
 
     def opened(self, agent: AgentState, prefix_len: int = 0) -> None:
         if agent.dropped:  # its run ended while the session opened
-            self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+            self.queues.call(agent.replica, CloseCall(agent.sid))
             return
         agent.state = "open"
         if prefix_len:
@@ -178,8 +178,8 @@ class Scheduler:
         consume(self.agents, agent, len(ids))
         agent.result.streamed_tokens += streamed
         agent.result.prompt_tokens += len(ids)
-        request = PrefillRequest(agent.sid, ids, agent.sampling if complete else None, agent.strategy != TEXT_NOCACHE)
-        self.queues.call(agent.replica, CallKind.PREFILL, *request, then=lambda out: self.prefilled(agent, out))
+        call = PrefillCall(agent.sid, ids, agent.sampling if complete else None, agent.strategy != TEXT_NOCACHE)
+        self.queues.call(agent.replica, call, then=lambda out: self.prefilled(agent, out))
 
     def prefilled(self, agent: AgentState, out: dict) -> None:
         agent.busy = False
@@ -232,7 +232,7 @@ class Scheduler:
         self.unfinished -= 1
         self.load[agent.replica] -= 1
         self.decoding[agent.replica].remove(agent)
-        self.queues.call(agent.replica, CallKind.CLOSE, agent.sid)
+        self.queues.call(agent.replica, CloseCall(agent.sid))
         self.admission.release(agent)
         if self.on_done is not None:
             self.on_done(agent.name)

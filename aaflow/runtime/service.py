@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from aaflow.errors import AAFlowError
 from aaflow.runtime.agent_state import AgentState, namespaced
-from aaflow.runtime.calls import CallKind
+from aaflow.runtime.calls import CloseCall
 from aaflow.runtime.dropping import drop, free_unread_prefixes
 from aaflow.runtime.executor import collect
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
@@ -224,7 +224,7 @@ class RunService:
             if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
                 run.closing = closing = {r for r in s.queues.replicas if r not in s.dead}
                 for replica in closing:
-                    s.queues.call(replica, CallKind.CLOSE, f"{run.id}/closed",
+                    s.queues.call(replica, CloseCall(f"{run.id}/closed"),
                                   then=lambda _, left=closing, replica=replica: left.discard(replica))
             if run.ended and not (run.closing - s.dead):
                 del self.runs[run.id]

@@ -15,7 +15,8 @@ import heapq
 import itertools
 
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
-from aaflow.runtime.calls import Call, CallKind
+from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
+                                  OpenCall, PackCall, PrefillCall, ReceiveCall, ReleaseCall, StepCall, StepsCall)
 from aaflow.runtime.sim_replica import SimReplica
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 
@@ -72,36 +73,45 @@ class SimBackend(Backend):
         return ticket
 
     def _outcome(self, sim: SimReplica, call: Call):
-        kind, args = call.kind, call.args
-        if kind is CallKind.OPEN:
-            return sim.session_open(*args)
-        if kind is CallKind.MATERIALIZE:
-            return sim.materialize(args[0], f"{sim.name}/ref{next(self._ref_ids)}")
-        if kind in (CallKind.PREFILL, CallKind.PACK):
-            seconds, answers, apply = sim.prefill_many(call.requests, self._token_ids.__next__)
-            return seconds, answers[0] if kind is CallKind.PREFILL else answers, apply
-        if kind is CallKind.STEP:
-            return sim.step(args[0], self._token_ids.__next__)
-        if kind is CallKind.STEPS:
-            return sim.steps(args[0], args[1], args[2], self._token_ids.__next__)
-        if kind is CallKind.MIXED:
-            step_s, tokens, stepped = sim.step(args[0], self._token_ids.__next__)
-            pack_s, answers, filled = sim.prefill_many(call.requests, self._token_ids.__next__)
-            # one forward pass: one call overhead, one fixed prefill term; the pack joins the step as one more member
-            seconds = step_s + pack_s - sim.overhead - sim.compute.prefill_fixed_s + sim.compute.prefill_s_per_member
-            return seconds, (tokens, answers), lambda: (stepped(), filled())
-        if kind is CallKind.COMPOSE:
-            return sim.compose(*args, f"{sim.name}/ref{next(self._ref_ids)}")
-        if kind is CallKind.EXPOSE:
-            return sim.expose(args[0], self.link, self.memcpy_bytes_per_s)
-        if kind is CallKind.RECEIVE:
-            self.bytes_moved += args[1].nbytes
-            return sim.receive(args[0], args[1], f"{sim.name}/ref{next(self._ref_ids)}", self.link)
-        if kind is CallKind.CLOSE:
-            return sim.session_close(args[0])
-        if kind is CallKind.FREE:
-            return sim.free(args[0])
-        return sim.overhead, None, None  # RELEASE
+        """(seconds, value, state change at its end) of `call` on `sim`."""
+        next_token = self._token_ids.__next__
+        match call:
+            case OpenCall():
+                return sim.session_open(call.sid, call.fork_of)
+            case MaterializeCall():
+                return sim.materialize(call.token_ids, self._new_ref_id(sim))
+            case PrefillCall() | PackCall():
+                seconds, answers, apply = sim.prefill_many(call.requests, next_token)
+                return seconds, answers[0] if isinstance(call, PrefillCall) else answers, apply
+            case StepCall():
+                return sim.step(call.sids, next_token)
+            case StepsCall():
+                return sim.steps(call.sids, call.steps, call.stops, next_token)
+            case MixedCall():
+                step_s, tokens, stepped = sim.step(call.sids, next_token)
+                pack_s, answers, filled = sim.prefill_many(call.requests, next_token)
+                # one forward pass: one call overhead, one fixed prefill term; the pack joins the step as
+                # one more member
+                compute = sim.compute
+                seconds = step_s + pack_s - sim.overhead - compute.prefill_fixed_s + compute.prefill_s_per_member
+                return seconds, (tokens, answers), lambda: (stepped(), filled())
+            case ComposeCall():
+                return sim.compose(call.ref_ids, call.mode, call.r, self._new_ref_id(sim))
+            case ExposeCall():
+                return sim.expose(call.ref_id, self.link, self.memcpy_bytes_per_s)
+            case ReceiveCall():
+                self.bytes_moved += call.shape.nbytes
+                return sim.receive(call.handle, call.shape, self._new_ref_id(sim), self.link)
+            case CloseCall():
+                return sim.session_close(call.sid)
+            case FreeCall():
+                return sim.free(call.ref_id)
+            case ReleaseCall():
+                return sim.overhead, None, None
+        raise TypeError(f"no simulated cost for {type(call).__name__}")
+
+    def _new_ref_id(self, sim: SimReplica) -> str:
+        return f"{sim.name}/ref{next(self._ref_ids)}"
 
     def wait(self, tickets: list[Ticket], num_returns: int, timeout_s: float) -> list[Ticket]:
         """Advance the clock to the end of the earliest call (or, asked for all, of the last one);

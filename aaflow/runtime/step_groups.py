@@ -1,4 +1,4 @@
-"""How many decode steps one replica call runs (`CallKind.STEPS`, `cluster.multi_step`).
+"""How many decode steps one replica call runs (`StepsCall`, `cluster.multi_step`).
 
 One step per call pays a round trip and the scheduler's work per step (a lone SmolLM2 sequence on
 two cores: 28 ms a token in a workflow against 20 ms a step in the engine; a 4-agent chain took
