@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.ray_auth import with_token_auth
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -38,9 +40,7 @@ def client_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    token = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-    if "RAY_AUTH_MODE" not in env and (token.exists() or env.get("RAY_AUTH_TOKEN")):
-        env["RAY_AUTH_MODE"] = "token"
+    with_token_auth(env)
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_metrics_report_interval_ms="1000", HF_HUB_OFFLINE="1",
                RAY_USAGE_STATS_ENABLED="0", **extra)
     env.pop("RAY_ADDRESS", None)

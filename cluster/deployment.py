@@ -21,6 +21,7 @@ import time
 from aaflow.errors import DeploymentError
 from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster, ReplicaHandle
 from cluster.scheduler_actor import find_scheduler, start_scheduler
+from cluster.ray_auth import auth_hint, with_token_auth
 
 RECORD_NAME = "deployment"
 
@@ -71,10 +72,12 @@ def _join(address: str | None) -> tuple[str, bool]:
     address = _address(address)
     _check_listening(address)
     owns = not ray.is_initialized()
+    if owns:
+        with_token_auth(os.environ)  # a head started where a token exists wants it (cluster/ray_auth.py)
     try:
         start_ray(address=address)
     except (ConnectionError, RuntimeError) as exc:
-        raise DeploymentError(f"cannot reach a Ray cluster at {address}: {exc}; start one with "
+        raise DeploymentError(f"cannot reach a Ray cluster at {address}: {exc}{auth_hint(exc)}; start one with "
                               f"`ray start --head --node-ip-address=127.0.0.1` and pass its address") from exc
     return address, owns
 

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aaflow.errors import AAFlowError
+from cluster.ray_auth import with_token_auth
 
 PREFIX = "aafns"
 DEVICE = "aafnsv"  # the host side of each link, the same name inside every host namespace
@@ -213,9 +214,7 @@ class NetnsTestbed:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        token = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
-        if "RAY_AUTH_MODE" not in env and (token.exists() or env.get("RAY_AUTH_TOKEN")):
-            env["RAY_AUTH_MODE"] = "token"  # the head turns token auth on where a token exists: so must the rest
+        with_token_auth(env)  # the head turns token auth on where a token exists: so must the rest
         env.update(UCX_NET_DEVICES=DEVICE, UCX_TLS="tcp", GLOO_SOCKET_IFNAME=DEVICE, RAY_USAGE_STATS_ENABLED="0",
                    HF_HUB_OFFLINE="1", AAFLOW_NETNS_LAYOUT=self.layout.to_json(), **self._extra_env, **extra)
         return env

@@ -65,6 +65,10 @@ REPORTS = {  # the smallest report of each shape the benchmark writes
          "transports": {"ray": {"ttft_s": 0.1 + n / 4e4, "fetch_bytes_per_s": 3e9}}} for n in (512, 4096)]},
     "workflow_bench": {"pairs": {"1": {"text": {"response_latency_s": 5.0}, "stream": {"response_latency_s": 4.0}}},
                        "map_reduce": {"text": 10.0, "auto": 7.0, "latency_reduction": 0.3}},
+    "serve_bench": {"machine": {"cpu_kind": "amd-avx2"}, "shapes": {
+        "burst": {"aaflow": {"workflows_per_min": 60.0, "latency_p50_s": 30.0, "latency_p99_s": 60.0},
+                  "vllm": {"workflows_per_min": 50.0, "latency_p50_s": 35.0, "latency_p99_s": 70.0}},
+        "poisson-1/s": {"aaflow": {"workflows_per_min": 55.0, "latency_p50_s": 3.0, "latency_p99_s": 6.0}}}},
     "compose_bench": {"summary": {"rerotate": {"top1_next_token_mean": 0.93, "top1_agreement_mean": 0.9,
                                                "compose_s_median": 0.004, "full_prefill_s_median": 0.1}}},
 }
