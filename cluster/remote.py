@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from aaflow.errors import KVLocationError, KVTransferError, ModelMismatchError
+from aaflow.runtime.kv_move import move_now
 from cluster.cluster import Cluster, ClusterError, ReplicaHandle
 from cluster.replica import RefRecord
 from cluster.replica_api import default_transport
@@ -71,14 +72,11 @@ def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None 
     if destination.name == kv.replica.name:
         return fork(kv, 1)[0]
     transport = transport or default_transport({kv.replica.engine, destination.engine})
-    handle, shape, record = call(kv.replica, "expose", kv.id, transport)
     try:
-        received, _ = call(destination, "receive", handle, shape, record, transport)
+        received, _ = move_now(call, kv.replica, destination, kv.id, transport)
     except ClusterError as err:
         raise KVTransferError(f"transfer of {kv.id} to {destination.name} failed: {err}; "
                               f"{kv.id} is intact on {kv.replica.name}") from err
-    finally:
-        call(kv.replica, "release", handle, transport)
     return RemoteKVRef(received, destination)
 
 

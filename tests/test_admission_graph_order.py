@@ -26,7 +26,7 @@ def _agent(name: str, doc: tuple) -> AgentState:
 def _admission(blocks: int) -> tuple[Admission, list[str]]:
     opened: list[str] = []
     replica = ReplicaInfo("r0", "m", kv_blocks=blocks, block_tokens=BLOCK, prefix_cache=True)
-    scheduler = SimpleNamespace(replicas=[replica], agents={}, dead=set(), prefixes=SimpleNamespace(refs={}),
+    scheduler = SimpleNamespace(replicas=[replica], agents={}, dead=set(), prefixes=SimpleNamespace(resident=lambda prefix, replica: False),
                                 opened_admitted=lambda agent: opened.append(agent.name))
     return Admission(scheduler), opened
 

@@ -23,7 +23,7 @@ def _agent(i: int, strategy: str = "text", prefix: tuple = PREFIX) -> AgentState
 def _admission(blocks: int, prefix_cache: bool = True) -> tuple[Admission, list[str]]:
     opened: list[str] = []
     replica = ReplicaInfo("r0", "m", kv_blocks=blocks, block_tokens=BLOCK, prefix_cache=prefix_cache)
-    scheduler = SimpleNamespace(replicas=[replica], agents={}, dead=set(), prefixes=SimpleNamespace(refs={}),
+    scheduler = SimpleNamespace(replicas=[replica], agents={}, dead=set(), prefixes=SimpleNamespace(resident=lambda prefix, replica: False),
                                 opened_admitted=lambda agent: opened.append(agent.name))
     return Admission(scheduler), opened
 

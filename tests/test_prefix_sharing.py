@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from aaflow.runtime.calls import ComposeCall, FreeCall, MaterializeCall
+from aaflow.runtime.calls import ComposeCall, EvictCall, FreeCall, MaterializeCall, OpenCall
 from aaflow.runtime.prefix_sharing import PrefixSharing
 
 
@@ -61,3 +61,31 @@ def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back
     made_last(SimpleNamespace(id="part2"))  # a part that ends after the refusal is freed too
     assert calls[-1][0] == FreeCall("part2")
     assert not sharing.composing and prefix not in sharing.origin and not sharing.waiters
+
+
+def test_an_evict_node_evicts_the_shared_prefix_and_a_later_fork_rebuilds_it():
+    """Once every agent that shares it has forked it, the prefix is evicted on each replica that
+    holds it (EvictCall: the ref stays, its blocks leave the pool), not freed; it no longer counts
+    as resident; a later fork opens on the same ref (the replica rebuilds it); the end frees it."""
+    calls = []
+    queues = SimpleNamespace(call=lambda replica, call, then=None: calls.append((replica, call)))
+    prefix = ("model", (1, 2, 3), None)
+    sharers = [SimpleNamespace(prefix_key=prefix, evicts_prefix=True, state="open", replica="r0", sid=f"s{i}",
+                               prefix_via="", result=SimpleNamespace(fidelity=None)) for i in range(2)]
+    scheduler = SimpleNamespace(queues=queues, agents={f"a{i}": a for i, a in enumerate(sharers)}, dead={"r2"},
+                                events=[], now=lambda: 1.0)
+    sharing = PrefixSharing(scheduler, "ray")
+    sharing.refs[prefix] = {"r0": "ref0", "r1": "ref1", "r2": "ref2"}
+    sharers[1].state = "opening"
+    sharing.evict_if_forked(prefix)
+    assert calls == [] and sharing.resident(prefix, "r0")  # one sharer has not forked it yet
+    sharers[1].state = "open"
+    sharing.evict_if_forked(prefix)
+    sharing.evict_if_forked(prefix)  # once only
+    assert calls == [("r0", EvictCall("ref0")), ("r1", EvictCall("ref1"))]  # r2 is dead
+    assert sharing.refs[prefix] == {"r0": "ref0", "r1": "ref1", "r2": "ref2"} and not sharing.resident(prefix, "r0")
+    sharers[0].sid = "s0#1"  # restarted: forks the evicted ref, which the replica rebuilds
+    sharing.fork_into(sharers[0], prefix)
+    assert calls[-1] == ("r0", OpenCall("s0#1", "ref0")) and sharing.resident(prefix, "r0")
+    sharing.free_all()
+    assert calls[-2:] == [("r0", FreeCall("ref0")), ("r1", FreeCall("ref1"))] and not sharing.refs

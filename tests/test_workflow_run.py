@@ -158,7 +158,7 @@ def test_a_context_read_by_many_agents_is_tokenized_once_per_run(tiny_cluster):
 
 def test_kv_operator_nodes_share_place_and_evict(tiny_cluster):
     """A fork node shares the context's KV even under `stream`; a transfer node places its agent;
-    an evict node frees the shared prefix once both agents forked it; tokens equal `text`."""
+    an evict node evicts the shared prefix once both agents forked it; tokens equal `text`."""
     cluster, model = tiny_cluster
     target = cluster.replicas()[1].name
 

@@ -137,7 +137,7 @@ class Admission:
         or a shared prefix there."""
         replica, key = agent.replica, agent.prefix_key
         return self.shared_blocks(agent, replica) > 0 and (
-            (replica, key) in self.prefix_holders or replica in self.scheduler.prefixes.refs.get(key, {}))
+            (replica, key) in self.prefix_holders or self.scheduler.prefixes.resident(key, replica))
 
     def _overtakes(self, agent: AgentState, queue: list[AgentState]) -> bool:
         """`agent` may go before the waiting `queue`: it reads a resident prefix and the oldest

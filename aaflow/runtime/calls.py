@@ -29,6 +29,7 @@ class CallKind(Enum):
     RELEASE = "release"  # ReleaseCall
     CLOSE = "session_close"  # CloseCall
     FREE = "free"  # FreeCall
+    EVICT = "evict"  # EvictCall
 
     def __init__(self, method: str) -> None:
         # Plain attributes, not properties: the scheduler asks them of every call.
@@ -41,7 +42,7 @@ class CallKind(Enum):
         # transfers: calls of a prefix transfer between replicas
         self.transfers = method in ("expose", "receive", "release")
         # bookkeeping: calls that only open, close or free (about a millisecond, no model pass)
-        self.bookkeeping = method in ("session_open", "session_close", "free")
+        self.bookkeeping = method in ("session_open", "session_close", "free", "evict")
 
 
 class PrefillRequest(NamedTuple):
@@ -236,4 +237,13 @@ class FreeCall(_NoPrompt):
     """Free ref `ref_id`."""
 
     kind = CallKind.FREE
+    ref_id: str
+
+
+@dataclass(frozen=True)
+class EvictCall(_NoPrompt):
+    """Evict ref `ref_id`: its blocks leave the pool, the ref stays; its next use rebuilds it from
+    its lineage (`operators.evict`)."""
+
+    kind = CallKind.EVICT
     ref_id: str

@@ -63,7 +63,6 @@ def free_unread_prefixes(scheduler: Scheduler, agents: list[AgentState]) -> int:
     for key in keys - pending:
         if any(k[:-1] == key for k in s.prefixes.waiters) or any(k[:-1] == key for k in s.prefixes.transferring):
             continue  # something is still on its way for it
-        s.prefixes.free(s.prefixes.refs.pop(key, {}))
-        s.prefixes.origin.pop(key, None)
+        s.prefixes.forget(key)
         freed += 1
     return freed

@@ -10,8 +10,10 @@ outputs it carries (see `prompts.prompt_leaves`); in addition:
                   the prefix cache wherever it was computed before) and their KV composed:
                   approximate, reported in the agent's `fidelity`; mode="exact" (the default) is
                   the plain shared prefix, computed as one;
-  evict           the shared KV of every prefix containing the named contexts is freed as soon as
-                  all the agents sharing it have forked it, instead of at the end of the run.
+  evict           the shared KV of every prefix containing the named contexts is evicted
+                  (`operators.evict`: its blocks leave the pool, the ref stays and a later fork
+                  rebuilds it from lineage) as soon as all the agents sharing it have forked it;
+                  it is freed once no pending agent reads it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Prefix sharing: a static prefix (chat header + leading contexts) is materialized once per
 workflow, forked by every agent on the same replica and transferred to other replicas that need
-it; an evict node frees it early. A failed transfer falls back to recomputing the prefix where it
+it; an evict node evicts it (`operators.evict`: its blocks leave the pool, a later fork rebuilds it
+from lineage) once its agents have forked it; it is freed when no pending agent reads it. A failed transfer falls back to recomputing the prefix where it
 was going. A prefix that a compose node asks to compose approximately is made of its contexts,
 each materialized alone (so the prefix cache serves it wherever it was computed before), composed
 on the replica (`operators.compose`); the agents forking it carry the compose's FidelityReport."""
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aaflow.runtime.calls import ComposeCall, ExposeCall, FreeCall, MaterializeCall, OpenCall, ReceiveCall, ReleaseCall
+from aaflow.runtime.calls import ComposeCall, EvictCall, FreeCall, MaterializeCall, OpenCall
+from aaflow.runtime.kv_move import MoveInFlight, start_move
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
@@ -25,9 +27,10 @@ class PrefixSharing:
         self.scheduler, self.queues, self._transport = scheduler, scheduler.queues, transport
         self.refs: dict[Prefix, dict[str, str]] = {}  # prefix -> {replica: ref id}
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
-        self.transferring: dict[tuple, tuple] = {}  # prefix + (dest,) -> (source, handle or None, transport)
+        self.transferring: dict[tuple, MoveInFlight] = {}  # prefix + (dest,) -> its move
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
         self.composing: dict[tuple, list] = {}  # composed prefix + (replica,) -> its parts' records so far
+        self.evicted: set[tuple] = set()  # prefix + (replica,) evicted by an evict node: a ref, not resident
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
@@ -49,6 +52,7 @@ class PrefixSharing:
         holders = self.refs.setdefault(prefix, {})
         rname = agent.replica
         if rname in holders:
+            self.evicted.discard(prefix + (rname,))  # the fork brings it back
             agent.prefix_via = agent.prefix_via or "reuse"
             agent.result.fidelity = self.fidelity.get(prefix)
             self.queues.call(rname, OpenCall(agent.sid, holders[rname]),
@@ -106,21 +110,12 @@ class PrefixSharing:
 
     def _transfer(self, prefix: Prefix, source: str, dest: str, ref_id: str) -> None:
         key = prefix + (dest,)
-        self.transferring[key] = (source, None, self.transport)  # None: not exposed yet
-        handle_of: list = []
 
-        def received(res) -> None:
+        def received(answer) -> None:
             self.transferring.pop(key, None)
-            self.queues.call(source, ReleaseCall(handle_of[0], self.transport))
-            self._ready(prefix, dest, res[0].id, res[1].nbytes, received=True)
+            self._ready(prefix, dest, answer[0].id, answer[1].nbytes, received=True)
 
-        def exposed(out) -> None:
-            handle, shape, record = out
-            handle_of.append(handle)
-            self.transferring[key] = (source, handle, self.transport)
-            self.queues.call(dest, ReceiveCall(handle, shape, record, self.transport), then=received)
-
-        self.queues.call(source, ExposeCall(ref_id, self.transport), then=exposed)
+        self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport, received)
 
     def _count(self, prefix: Prefix, rname: str, tokens: int) -> None:
         """`tokens` were computed to make `prefix` on `rname`; its first waiter's run counts them."""
@@ -147,13 +142,16 @@ class PrefixSharing:
                 self._transfer(prefix, rname, waiting[0].replica, ref_id)
 
     def evict_if_forked(self, prefix: Prefix) -> None:
-        """An evict node named a context of this prefix: free its shared KV once every agent that
-        shares it has forked it (an agent restarted later materializes it again)."""
+        """An evict node named a context of this prefix: evict its shared KV on every replica once
+        every agent that shares it has forked it (an agent restarted later forks it again: the
+        replica rebuilds it from its lineage)."""
         sharers = [a for a in self.scheduler.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
-        if any(a.state in ("new", "opening") for a in sharers):
+        resident = [r for r in self.refs.get(prefix, {}) if self.resident(prefix, r) and r not in self.scheduler.dead]
+        if not resident or any(a.state in ("new", "opening") for a in sharers):
             return
-        self.free(self.refs.pop(prefix, {}))
-        self.origin.pop(prefix, None)
+        for rname in resident:
+            self.queues.call(rname, EvictCall(self.refs[prefix][rname]))
+            self.evicted.add(prefix + (rname,))
         self.scheduler.events.append(f"{self.scheduler.now():.2f}s evicted a shared prefix of {len(prefix[1])} tokens")
 
     def drop_held(self, rname: str) -> None:
@@ -167,9 +165,18 @@ class PrefixSharing:
 
     def free_all(self) -> None:
         """Free every shared prefix still held (at the end of a run)."""
-        for holders in self.refs.values():
-            self.free(holders)
-        self.refs.clear()
+        for prefix in list(self.refs):
+            self.forget(prefix)
+
+    def forget(self, prefix: Prefix) -> None:
+        """Free the prefix's shared KV wherever it is held, and forget it."""
+        self.free(self.refs.pop(prefix, {}))
+        self.origin.pop(prefix, None)
+        self.evicted -= {k for k in self.evicted if k[:-1] == prefix}
+
+    def resident(self, prefix: Prefix, rname: str) -> bool:
+        """`rname` holds the prefix's shared KV, not evicted."""
+        return rname in self.refs.get(prefix, {}) and prefix + (rname,) not in self.evicted
 
     def free(self, holders: dict[str, str]) -> None:
         for rname, ref_id in holders.items():
@@ -181,13 +188,14 @@ class PrefixSharing:
         computing computes it now."""
         for holders in self.refs.values():
             holders.pop(rname, None)
+        self.evicted = {k for k in self.evicted if k[-1] != rname}
         self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}
-        for key, (source, handle, transport) in list(self.transferring.items()):
+        for key, move in list(self.transferring.items()):
             if key[-1] == rname:
                 del self.transferring[key]
-                if handle is not None and source not in self.scheduler.dead:  # the source still exposes it
-                    self.queues.call(source, ReleaseCall(handle, transport))
-            elif source == rname:  # the source died: the destination gets it another way
+                if move.release_call() and move.source not in self.scheduler.dead:  # the source still exposes it
+                    self.queues.call(move.source, move.release_call())
+            elif move.source == rname:  # the source died: the destination gets it another way
                 del self.transferring[key]
                 self._fetch(key[:-1], key[-1])
         for prefix in [p for p, origin in self.origin.items() if origin == rname]:
@@ -218,10 +226,10 @@ class PrefixSharing:
 
     def transfer_failed(self) -> None:
         """Recompute every prefix in transit where it was going; release what the sources exposed."""
-        for key, (source, handle, transport) in list(self.transferring.items()):
+        for key, move in list(self.transferring.items()):
             del self.transferring[key]
-            if handle is not None:
-                self.queues.call(source, ReleaseCall(handle, transport))
+            if move.release_call():
+                self.queues.call(move.source, move.release_call())
             self._materialize(key[:-1], key[-1])
 
 

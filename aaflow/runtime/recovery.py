@@ -60,9 +60,8 @@ class Recovery:
         calls = self._made_in_flight()
         calls += [(a.replica, CloseCall(a.sid)) for a in s.agents.values()
                  if a.replica is not None and a.replica not in s.dead and a.state != "done"]
-        calls += [(source, ReleaseCall(handle, transport))
-                  for source, handle, transport in s.prefixes.transferring.values()
-                  if handle is not None and source not in s.dead]  # an exposure holds the source's blocks
+        calls += [(move.source, move.release_call()) for move in s.prefixes.transferring.values()
+                  if move.release_call() and move.source not in s.dead]  # an exposure holds the source's blocks
         calls += [(rname, FreeCall(ref_id)) for holders in s.prefixes.refs.values()
                   for rname, ref_id in holders.items() if rname not in s.dead]
         calls += [(key[-1], FreeCall(part.id)) for key, parts in s.prefixes.composing.items()
@@ -70,6 +69,7 @@ class Recovery:
         s.prefixes.composing.clear()
         s.prefixes.transferring.clear()
         s.prefixes.refs.clear()
+        s.prefixes.evicted.clear()
         tickets = [s.backend.submit(rname, call) for rname, call in calls]
         s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
 

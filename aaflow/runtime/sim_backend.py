@@ -15,7 +15,7 @@ import heapq
 import itertools
 
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
-from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
+from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, EvictCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
                                   OpenCall, PackCall, PrefillCall, ReceiveCall, ReleaseCall, StepCall, StepsCall)
 from aaflow.runtime.sim_replica import SimReplica
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS
@@ -106,6 +106,8 @@ class SimBackend(Backend):
                 return sim.session_close(call.sid)
             case FreeCall():
                 return sim.free(call.ref_id)
+            case EvictCall():  # its blocks stay counted: a later fork's rebuild is not simulated either
+                return sim.overhead, None, None
             case ReleaseCall():
                 return sim.overhead, None, None
         raise TypeError(f"no simulated cost for {type(call).__name__}")

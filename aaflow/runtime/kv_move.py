@@ -1,0 +1,63 @@
+"""Moving a ref's KV between replicas: expose on the source, receive on the destination, release
+on the source, whatever the receive did. The one place this protocol is written, driven two ways:
+
+- `move_now(call, ...)`: call by call, waiting for each answer (`af.transfer`, calibration);
+- `MoveInFlight` (`start_move`): through the scheduler's call queues, each call launched when the
+  previous one answers (prefix sharing, the DSL's transfer and fork nodes on another replica).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aaflow.runtime.calls import ExposeCall, ReceiveCall, ReleaseCall
+
+
+def move_now(call: Callable, source, dest, ref_id: str, transport: str, receive: str = "receive"):
+    """Move ref `ref_id` from `source` to `dest` with `call(replica, method, *arguments)` (which
+    waits): the destination's answer to `receive` (its `receive` method, or one of the same
+    arguments, e.g. a timed `calibrate_receive`). The exposure is released if the receive raised."""
+    expose = ExposeCall(ref_id, transport)
+    handle, shape, record = call(source, expose.method, *expose.arguments())
+    try:
+        return call(dest, receive, *ReceiveCall(handle, shape, record, transport).arguments())
+    finally:
+        release = ReleaseCall(handle, transport)
+        call(source, release.method, *release.arguments())
+
+
+@dataclass
+class MoveInFlight:
+    """A move through the call queues: `handle` set once the source exposed the ref (until then a
+    failure has nothing to release)."""
+
+    source: str
+    dest: str
+    transport: str
+    handle: object = field(default=None)
+
+    def release_call(self) -> ReleaseCall | None:
+        """The call that ends the source's exposure (None if it has not exposed yet)."""
+        return None if self.handle is None else ReleaseCall(self.handle, self.transport)
+
+
+def start_move(queues, source: str, dest: str, ref_id: str, transport: str,
+               received: Callable[[object], None]) -> MoveInFlight:
+    """Queue the move of ref `ref_id` from `source` to `dest`; `received(answer)` gets the
+    destination's answer (record, shape) after the source's release is queued. Answers the move,
+    whose `release_call()` a caller uses when the move fails on the way."""
+    move = MoveInFlight(source, dest, transport)
+
+    def exposed(out) -> None:
+        handle, shape, record = out
+        move.handle = handle
+        queues.call(dest, ReceiveCall(handle, shape, record, transport), then=done)
+
+    def done(answer) -> None:
+        queues.call(source, ReleaseCall(move.handle, transport))
+        move.handle = None  # released
+        received(answer)
+
+    queues.call(source, ExposeCall(ref_id, transport), then=exposed)
+    return move

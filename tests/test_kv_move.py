@@ -1,0 +1,45 @@
+"""The one expose -> receive -> release protocol (aaflow/runtime/kv_move.py), driven call by call
+and through call queues."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from aaflow.runtime.calls import ExposeCall, ReceiveCall, ReleaseCall
+from aaflow.runtime.kv_move import move_now, start_move
+
+
+def test_move_now_releases_the_exposure_even_when_the_receive_fails():
+    log = []
+
+    def call(replica, method, *args):
+        log.append((replica, method, args))
+        if method == "expose":
+            return "h", "shape", "rec"
+        if method == "receive" and replica == "bad":
+            raise RuntimeError("link down")
+        return ("new-ref", "stats")
+
+    assert move_now(call, "src", "dst", "ref1", "ucx") == ("new-ref", "stats")
+    assert log == [("src", "expose", ("ref1", "ucx")), ("dst", "receive", ("h", "shape", "rec", "ucx")),
+                   ("src", "release", ("h", "ucx"))]
+    log.clear()
+    with pytest.raises(RuntimeError, match="link down"):
+        move_now(call, "src", "bad", "ref1", "ucx")
+    assert log[-1] == ("src", "release", ("h", "ucx"))
+
+
+def test_a_queued_move_launches_each_call_after_the_previous_answer():
+    queued = []
+    queues = SimpleNamespace(call=lambda replica, call, then=None: queued.append((replica, call, then)))
+    got = []
+    move = start_move(queues, "src", "dst", "ref1", "ray", got.append)
+    assert [q[:2] for q in queued] == [("src", ExposeCall("ref1", "ray"))] and move.release_call() is None
+    queued[0][2](("h", "shape", "rec"))  # exposed
+    assert queued[1][:2] == ("dst", ReceiveCall("h", "shape", "rec", "ray"))
+    assert move.release_call() == ReleaseCall("h", "ray")  # a failure now must release it
+    queued[1][2](("record", "stats"))  # received
+    assert queued[2][:2] == ("src", ReleaseCall("h", "ray")) and got == [("record", "stats")]
+    assert move.release_call() is None  # released already
