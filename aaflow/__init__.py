@@ -60,6 +60,8 @@ _EXPORTS = {
     "generate": "aaflow.api",
     "extend": "operators",
     "plan": "aaflow.planning",
+    "plan_load": "aaflow.planning.load",
+    "LoadPrediction": "aaflow.planning.load",
     "calibrate": "aaflow.calibration",
     "CostModelError": "aaflow.errors",
     "DeploymentError": "aaflow.errors",
