@@ -10,7 +10,9 @@ per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_se
 and graph mode, the faster kept. Both sides: prompts in the model's chat template, greedy,
 `ignore_eos` as set (with `--both-eos` also without it: tokens per second are then counted as each
 engine generated them), timed from a workflow's arrival to its last agent's last token. Repeats
-alternate the sides (which goes first rotates); medians of repeats. Reports throughput, p50 / p99
+alternate the sides (which goes first rotates); medians of repeats. Before each load both sides'
+prefix caches are cleared; aaflow's plans for the load's workflow shapes are made once beforehand
+(a server plans a shape once: plans are memoized), as vLLM's graphs are captured at its start. Reports throughput, p50 / p99
 latency, time to first token per agent, prompt tokens computed vs reused, agent restarts, and
 whether each workflow's tokens equal the workflow run alone on the same cluster.
 """
@@ -51,15 +53,23 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
     workflows' tokens differ."""
     import ray
 
+    from aaflow.runtime.service import service_for
+
     peak: dict[str, int] = {}
 
     def sample() -> None:
         for r in cluster.replicas():
             peak[r.name] = max(peak.get(r.name, 0), ray.get(r.actor.stats.remote())["used_blocks"])
 
+    ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])  # cold, as vLLM's side is
+    loop = service_for(cluster) if clients is run_threads else None  # a deployment's loop is in its actor
+    cpu_before = loop.cpu_s if loop else 0.0
     out = clients(cluster, workflows, offsets, strategy, sample)
     summary = summarize(out["rows"], out["wall_s"])
     summary["kv_peak_blocks"] = peak
+    if loop is not None:  # the share of one core the scheduling loop used: how many replicas one loop drives
+        summary["loop_cpu_s"] = loop.cpu_s - cpu_before
+        summary["loop_cpu_share"] = summary["loop_cpu_s"] / out["wall_s"]
     if alone is not None:
         summary["differ_from_alone"] = [wf.name for wf, r in zip(workflows, out["rows"])
                                         if r and "tokens" in r and r["tokens"] != alone[wf.name]]
@@ -102,9 +112,12 @@ def run(args) -> dict:
     head, cluster = _aaflow_cluster(args, pool)
     runners = _start_vllm(args)
     try:
-        af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels, plan memo
+        af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels
         for ignore_eos in eos_modes:
             workflows = serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos)
+            if args.strategy == "auto":  # each document's workflow planned once before (plans are memoized by shape)
+                for wf in workflows[:len(docs)]:
+                    af.plan(wf, cluster, progress=None)
             alone = None
             if args.check_alone:
                 log(f"{len(workflows)} workflows alone first (reference tokens) ...")

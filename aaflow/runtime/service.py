@@ -75,6 +75,7 @@ class RunService:
         self._closing = threading.Lock()  # a submit either reaches the loop or is refused once it stops
         self._raised: list[tuple[_Run, BaseException]] = []  # runs whose callbacks raised, ended after the call
         self._progress_s = 0.0  # loop time a call last ended
+        self.cpu_s = 0.0  # CPU seconds the loop's thread has used (waiting on replicas uses none)
         self._thread = threading.Thread(target=self._serve, name="aaflow-scheduler", daemon=True)
         self._thread.start()
 
@@ -119,6 +120,7 @@ class RunService:
                     self._end(run, exc)
             self._raised.clear()
             self._reap()
+            self.cpu_s = time.thread_time()
         for run in list(self.runs.values()):
             if not run.ended:
                 self._end(run, RunCancelledError(f"run {run.id}: the cluster's scheduler was stopped"))
