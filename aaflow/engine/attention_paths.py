@@ -5,7 +5,8 @@ Prefill: deterministic mode's fixed tiles; in bf16 tiles of plain products (with
 flash kernel, which beats tiles there); in fp32 the flash kernel over each context, with a prefix
 every sequence shares attended once (cascade). Decode: deterministic mode's fixed tiles; in bf16 the
 compiled kernel, unless a large batch shares a long prefix (cascade on AMX); else runs of blocks read
-in place, gathered contexts, or a shared prefix in cascade.
+in place, gathered contexts, a shared prefix in cascade, or (fp32) several prefixes each shared by a
+group of the batch, each attended once for its group (`grouped_cascade.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from aaflow.engine.attention import AttentionBatch, prefill_parts
 from aaflow.engine.cascade import (CASCADE_DECODE_MIN_BATCH, CASCADE_DECODE_MIN_SHARED_READS, CascadeBatch,
                                    decode_in_cascade, leading_run_blocks, shared_prefix_blocks)
 from aaflow.engine.decode_kernel import KernelDecodeBatch, KernelReads, supports as decode_kernel_supports
+from aaflow.engine import grouped_cascade
 from aaflow.engine.fixed_attention import FixedBatch
+from aaflow.engine.grouped_cascade import prefix_groups
 from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
 from aaflow.engine.sequence import Sequence
 from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
@@ -37,6 +40,7 @@ class AttentionPaths:
     kernel_decode: bool  # bf16 decode (and prefill chunks of up to 8 tokens) in the compiled kernel
     cascade_decode_batch: int | None  # with AMX, decode batches this large sharing a prefix go in cascade
     cascade_decode_min_reads: int  # ... once the prefix's tokens x the sequences reach this
+    grouped_decode: bool = True  # a decode batch in groups sharing prefixes: each prefix attended once
 
     @classmethod
     def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> "AttentionPaths":
@@ -73,6 +77,9 @@ class AttentionPaths:
         shared = self.cascade_prefix(seqs, len(seqs[0]), decode=True)
         if self.run_decode and not shared:
             return GatheredDecodeBatch.build(write, contexts)
+        groups = prefix_groups(tables, self.block_size) if self.grouped_decode and len(seqs) > 2 else []
+        if groups:  # several documents, each shared by a group: each attended once for its group
+            return grouped_cascade.build(write, contexts, groups, self.block_size)
         if shared and self.kernel_decode:  # the kernel attends each rest and merges the prefix's part
             rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
             return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))

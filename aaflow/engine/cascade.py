@@ -99,14 +99,14 @@ def cascade_attention(
     T, heads, dim = q.shape
     if isinstance(batch.rest, KernelDecodeBatch):  # the kernel attends the rest and merges the prefix's part
         cache.write(layer, batch.rest.write_slots, k, v)
-        prefix = _attend_prefix(q, cache.layer(layer), batch)
+        prefix = attend_prefix(q, cache.layer(layer), batch)
         return kernel_attention(q, *cache.layer(layer), batch.rest.reads, other=prefix)
-    rest_out, rest_lse = _attend_with_lse(layer, q, k, v, cache, batch.rest)  # [T, H, D], [T, H]
-    pre_out, pre_lse = _attend_prefix(q, cache.layer(layer), batch)
+    rest_out, rest_lse = attend_with_lse(layer, q, k, v, cache, batch.rest)  # [T, H, D], [T, H]
+    pre_out, pre_lse = attend_prefix(q, cache.layer(layer), batch)
     return merge_parts(pre_out, pre_lse, rest_out, rest_lse).reshape(T, heads * dim)
 
 
-def _attend_prefix(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], batch: CascadeBatch):
+def attend_prefix(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], batch: CascadeBatch):
     """Every query over the whole shared prefix, GQA groups folded into the query axis (one pass
     over each kv head's keys for all its query heads): (out [T, H, D] bf16, lse [T, H] fp32)."""
     T, heads, dim = q.shape
@@ -130,11 +130,11 @@ def _attend_prefix(q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], b
             lse.view(kv_heads, group, T).permute(2, 0, 1).reshape(T, heads))
 
 
-def _attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch):
+def attend_with_lse(layer, q, k, v, cache, batch: AttentionBatch | PackedBatch):
     """Like `paged_attention`, also returning the log-sum-exp of each query's scores: ([T, H, D], [T, H])."""
     if isinstance(batch, PackedBatch):
         spans = zip(batch.parts, batch.offsets, batch.offsets[1:])
-        outs, lses = zip(*[_attend_with_lse(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])
+        outs, lses = zip(*[attend_with_lse(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])
         return torch.cat(outs), torch.cat(lses)
     qh, kh, vh = write_and_gather(layer, q, k, v, cache, batch)  # [B, H, S, D], [B, Hkv, ctx, D]
     B, heads, S, dim = qh.shape

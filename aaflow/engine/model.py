@@ -10,6 +10,7 @@ from aaflow.engine.config import ModelConfig
 from aaflow.engine.decode_kernel import KernelDecodeBatch, kernel_decode_attention
 from aaflow.engine.elementwise import Elementwise
 from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
+from aaflow.engine.grouped_cascade import GroupedCascadeBatch, grouped_cascade_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.linear import Linear
 from aaflow.engine.rope import RotaryTable
@@ -20,12 +21,13 @@ from aaflow.engine.weights import LayerWeights, ModelWeights
 
 
 Batch = (AttentionBatch | PackedBatch | CascadeBatch | FixedBatch | RunsDecodeBatch | GatheredDecodeBatch
-         | KernelDecodeBatch | TiledPrefillBatch)
+         | KernelDecodeBatch | TiledPrefillBatch | GroupedCascadeBatch)
 
 
 _ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention,
               RunsDecodeBatch: runs_decode_attention, GatheredDecodeBatch: gathered_decode_attention,
-              KernelDecodeBatch: kernel_decode_attention, TiledPrefillBatch: tiled_attention}  # others: paged_attention
+              KernelDecodeBatch: kernel_decode_attention, TiledPrefillBatch: tiled_attention,
+              GroupedCascadeBatch: grouped_cascade_attention}  # others: paged_attention
 
 
 class LlamaModel:
