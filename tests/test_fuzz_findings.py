@@ -112,3 +112,17 @@ def test_hand_wired_prompt_parts_are_caught_by_validate():
     wf.nodes["a"] = AgentNode("a", "m", ({"not": "a handle"},))
     with pytest.raises(af.WorkflowError, match="neither a string nor a node handle"):
         wf.validate()
+
+
+@pytest.mark.parametrize("cluster, strategy, match", [
+    (None, "auto", "the cluster must be"), (None, "fastest", "the cluster must be"),
+    ("cluster", "fastest", "unknown strategy 'fastest'")])
+def test_a_run_without_a_cluster_or_with_an_unknown_strategy_is_a_typed_error(cluster, strategy, match):
+    cluster = type("NotACluster", (), {"replicas": (), "models": ()})() if cluster else None
+    with pytest.raises(af.AAFlowError, match=match):
+        af.run(af.Workflow("w"), cluster, strategy=strategy)
+
+
+def test_importing_something_else_than_an_export_is_a_kv_import_error(tiny_engine):
+    with pytest.raises(af.KVImportError, match="takes a KVExport"):
+        tiny_engine.import_kv(object())

@@ -26,6 +26,9 @@ class KVImportExport:
 
         `cacheable=False` marks approximate KV, which must never serve prefix-cache hits.
         """
+        if not all(hasattr(export, a) for a in ("fingerprint", "token_ids", "kv")):
+            raise KVImportError(f"import_kv takes a KVExport (from export_kv) or a KVPayload, with fingerprint, "
+                                f"token_ids and kv; got {type(export).__name__}")
         self._check_model(export.fingerprint)
         self._check_token_ids(export.token_ids)
         if not isinstance(export.kv, torch.Tensor):

@@ -6,13 +6,15 @@ import functools
 import threading
 import time
 
-from aaflow.errors import AAFlowError, WorkflowError
+from aaflow.errors import AAFlowError, InvalidArgumentError, WorkflowError
 from aaflow.runtime.executor import workflow_agents
 from aaflow.runtime.kvops import check_replicas
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
 from aaflow.runtime.results import AgentResult, RunResult
 from aaflow.runtime.service import RunCancelledError, RunHandle, service_for
+from aaflow.strategies import STRATEGIES
+from aaflow.workflow.graph import Workflow
 
 __all__ = ["AgentFailedError", "AgentResult", "RunCancelledError", "RunHandle", "RunResult", "prompt_builders", "run",
            "start"]
@@ -118,6 +120,7 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
 
     Callbacks run on the loop's thread (on a deployment: on a thread of this process): keep them short.
     """
+    _check_arguments(workflow, cluster, strategy)
     options = dict(chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s, transport=transport, plan=plan,
                    lend_cores=lend_cores, timeout_s=timeout_s)
     remote = getattr(cluster, "scheduler", None)
@@ -126,6 +129,18 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
 
         return RemoteRunHandle.start(remote, workflow, strategy, on_token, on_agent, options)
     return start_here(workflow, cluster, strategy, on_token=on_token, on_agent=on_agent, **options)
+
+
+def _check_arguments(workflow, cluster, strategy) -> None:
+    """A workflow, a cluster and a known strategy, or a typed error naming the one that is not."""
+    if not isinstance(workflow, Workflow):
+        raise InvalidArgumentError(f"the workflow must be an af.Workflow (or af.load_workflow(path)), "
+                                   f"got {type(workflow).__name__}")
+    if not (hasattr(cluster, "replicas") and hasattr(cluster, "models")):
+        raise InvalidArgumentError(f"the cluster must be one af.init, af.up or af.connect returned, "
+                                   f"got {type(cluster).__name__}")
+    if strategy not in STRATEGIES:
+        raise WorkflowError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
 
 
 def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout_s: float, transport: str | None,

@@ -33,7 +33,7 @@ def _strategies():
     dims = st.lists(st.integers(-1, 70), min_size=0, max_size=6).map(tuple) | junk
     dtypes = st.sampled_from(["float32", "bfloat16", "float16", "int8", "complex64", "nope", ""]) | junk
     fingerprint = st.sampled_from(["same", "other", "", "0" * 64]) | junk
-    field = st.sampled_from(["fingerprint", "token_ids", "kv", "none"])
+    field = st.sampled_from(["fingerprint", "token_ids", "kv", "none", "whole"])  # whole: `ids` given as the export
     tensor = st.sampled_from(["same", "shape", "dtype", "noncontig", "empty", "bytes", "numpy"])
     imports = st.tuples(st.just("import"), tokens, field, fingerprint, ids, tensor, st.integers(0, 4))
     spill = st.tuples(st.just("spill"), tokens, st.sampled_from(["truncate", "flip", "random", "meta", "none"]),
@@ -103,8 +103,9 @@ class KVPayloads(Surface):
         elif tensor != "same":
             kv = {"dtype": kv.to(torch.float16), "noncontig": kv.transpose(3, 4), "empty": kv[:, :, :0],
                   "bytes": kv.numpy().tobytes(), "numpy": kv.numpy()}[tensor]
-        payload = KVPayload(fp if field == "fingerprint" else export.fingerprint,
-                            ids if field == "token_ids" else export.token_ids, kv if field == "kv" else export.kv)
+        payload = ids if field == "whole" else KVPayload(
+            fp if field == "fingerprint" else export.fingerprint, ids if field == "token_ids" else export.token_ids,
+            kv if field == "kv" else export.kv)
         self._import_and_free(payload)
 
     def _spill(self, tokens, damage, where, data) -> None:

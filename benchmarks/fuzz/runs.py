@@ -11,6 +11,7 @@ from benchmarks.fuzz.harness import Surface
 from benchmarks.fuzz.op_args import _mostly
 
 STRATEGIES = ["auto", "text", "recompute", "transfer", "stream", "transfer+stream"]
+BAD_RUN_ARGUMENTS = ["fastest", "", None]  # a strategy that is none, or (None) no cluster: typed errors
 TEXTS = [" ", "\n", "x", "é🙂 ünïcödé", "\t\t", "Shared context: keys and values. " * 6]
 
 
@@ -22,8 +23,9 @@ def _strategies():
     agent = st.tuples(st.lists(st.integers(0, 9), max_size=3), text, max_tokens,
                       st.none() | st.sampled_from(STRATEGIES[1:]), st.booleans())
     op = st.tuples(st.sampled_from(["fork", "compose", "evict"]), st.lists(st.integers(0, 9), min_size=1, max_size=2))
+    strategy = _mostly(st.sampled_from(STRATEGIES), st.sampled_from(BAD_RUN_ARGUMENTS))
     return st.tuples(st.lists(text, min_size=1, max_size=2), st.lists(agent, min_size=1, max_size=4),
-                     st.lists(op, max_size=1), st.sampled_from(STRATEGIES), st.sampled_from(["ray", "nixl", "ucx"]))
+                     st.lists(op, max_size=1), strategy, st.sampled_from(["ray", "nixl", "ucx"]))
 
 
 class WorkflowRuns(Surface):
@@ -64,7 +66,8 @@ class WorkflowRuns(Surface):
             node = wf.kv_op(f"k{k}", op, *[handles[j % len(handles)] for j in inputs])
             wf.agent(f"after{k}", self.model, [node, "Go on."], max_tokens=2, ignore_eos=True)
         transport = transport if transport in self.transports else "ray"
-        result = af.run(wf, self.cluster, strategy=strategy, transport=transport, call_timeout_s=120)
+        cluster, strategy = (None, "auto") if strategy is None else (self.cluster, strategy)  # None: no cluster
+        result = af.run(wf, cluster, strategy=strategy, transport=transport, call_timeout_s=120)
         for agent in wf.agents():
             assert len(result[agent.name].token_ids) == agent.max_tokens, f"{agent.name} ended early"
         self.steps[f"ran {strategy}"] += 1
