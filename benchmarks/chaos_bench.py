@@ -15,7 +15,8 @@ over each transport); whether it fired is read from the replica's process id.
 Checked: every run completes with `text`'s tokens within `--call-timeout-s` per call, and after
 the last run every replica holds no session, no ref and no used block, and the object store no
 object. Reported: kills by what was running / by target, runs, runs with identical output,
-failures and the longest run.
+failures and the longest run. With `--concurrent N` the random-kill rounds run N workflows at once
+instead, one of whose clients cancels midway (`benchmarks.chaos_concurrent`).
 """
 
 from __future__ import annotations
@@ -110,10 +111,11 @@ TARGETS = {"text": ("prefill", "step"), "stream": ("prefill", "step"),
 
 
 def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: int, transports: list[str],
-          call_timeout_s: float, min_kills: int = 0, targeted_rounds: int = 0) -> dict:
+          call_timeout_s: float, min_kills: int = 0, targeted_rounds: int = 0, concurrent: int = 0) -> dict:
     """Run the rounds under the killer, more (up to 3x) until `min_kills` kills, then
     `targeted_rounds` rounds in which each run arms one random replica to kill itself at a point
-    of TARGETS; returns the report (see the module docstring)."""
+    of TARGETS; returns the report (see the module docstring). With `concurrent`, the rounds
+    are `benchmarks.chaos_concurrent`'s: that many workflows in flight at once."""
     import aaflow as af
 
     workflows = _workflows(model, doc)
@@ -137,14 +139,20 @@ def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: i
     targeted: dict[str, dict] = {}
     turns: dict[tuple, int] = {}  # (strategy, transport) -> targeted runs so far: its points in turn
     try:
-        r = 0
-        while r < rounds or (len(killer.kills) < min_kills and r < 3 * rounds):
-            for name, wf in workflows.items():
-                killer.new_run()
-                run_one(name, wf, *plans[(r + len(name)) % len(plans)])
-                killer.armed.clear()
-            r += 1
-            log(f"chaos round {r}: {len(killer.kills)} kills so far, {tally['identical']}/{tally['runs']} identical")
+        if concurrent:
+            from benchmarks.chaos_concurrent import concurrent_rounds
+
+            concurrent_rounds(cluster, workflows, expected, killer, concurrent, rounds, min_kills, call_timeout_s,
+                              seed, tally)
+        else:
+            r = 0
+            while r < rounds or (len(killer.kills) < min_kills and r < 3 * rounds):
+                for name, wf in workflows.items():
+                    killer.new_run()
+                    run_one(name, wf, *plans[(r + len(name)) % len(plans)])
+                    killer.armed.clear()
+                r += 1
+                log(f"chaos round {r}: {len(killer.kills)} kills so far, {tally['identical']}/{tally['runs']} identical")
         killer.stop.set()
         for t in range(targeted_rounds):
             for i, (name, wf) in enumerate(workflows.items()):
@@ -239,7 +247,7 @@ def run(args) -> dict:
     try:
         report = chaos(cluster, args.model, context_text(args.doc_tokens), args.rounds, args.interval_s,
                        args.seed, transports, args.call_timeout_s, min_kills=args.min_kills,
-                       targeted_rounds=args.targeted_rounds)
+                       targeted_rounds=args.targeted_rounds, concurrent=args.concurrent)
     finally:
         cluster.shutdown()
     report.update({"benchmark": "chaos", "machine": machine_facts(), "transports": transports,
@@ -265,4 +273,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="then rounds whose every run arms a replica to kill itself at a chosen point "
                         "(prefill, decode step, shared-prefix materialize, transfer source / destination)")
     p.add_argument("--call-timeout-s", type=float, default=120.0)
+    p.add_argument("--concurrent", type=int, default=0,
+                   help="rounds of this many workflows in flight at once, one client cancelling midway")
     p.add_argument("--out", default="results/chaos.json")
