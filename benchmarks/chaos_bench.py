@@ -49,10 +49,12 @@ def replica_processes() -> dict[int, str]:
 
 
 class Killer:
-    """Kills a random replica process every `interval` seconds (uniform 0.5x-1.5x) while armed."""
+    """Kills a random replica process every `interval` seconds (uniform 0.5x-1.5x) while armed, never one
+    while another restarts, at most `per_run` per run (default: one fewer than the replicas)."""
 
-    def __init__(self, replicas: int, interval_s: float, seed: int) -> None:
+    def __init__(self, replicas: int, interval_s: float, seed: int, per_run: int | None = None) -> None:
         self.replicas, self.interval_s, self.rng = replicas, interval_s, random.Random(seed)
+        self.limit = replicas - 1 if per_run is None else per_run  # kills per run (one at a time either way)
         self.kills: list[str] = []  # the title of each process killed
         self.per_run = 0
         self.armed = threading.Event()
@@ -65,7 +67,7 @@ class Killer:
 
     def _loop(self) -> None:
         while not self.stop.wait(self.interval_s * self.rng.uniform(0.5, 1.5)):
-            if not self.armed.is_set() or self.per_run >= self.replicas - 1:
+            if not self.armed.is_set() or self.per_run >= self.limit:
                 continue
             alive = {pid: title for pid, title in replica_processes().items() if not title.endswith("__init__")}
             if len(alive) < self.replicas:  # one is restarting: never leave the run without a replica
@@ -122,7 +124,7 @@ def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: i
     expected = {name: {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
                 for name, wf in workflows.items()}
     plans = [("text", None), ("stream", None)] + [("transfer", t) for t in transports]
-    killer = Killer(len(cluster.replicas()), interval_s, seed)
+    killer = Killer(len(cluster.replicas()), interval_s, seed, per_run=4 if concurrent else None)
     killer.thread.start()
     tally = {"runs": 0, "identical": 0, "failures": [], "longest_run_s": 0.0}
 

@@ -55,5 +55,5 @@ def concurrent_rounds(cluster, workflows: dict, expected: dict, killer, clients:
         killer.armed.clear()
         tally["longest_run_s"] = max(tally["longest_run_s"], time.perf_counter() - t0)
         r += 1
-        log(f"concurrent round {r}: {clients} workflows, {len(killer.kills)} kills so far, "
+        log(f"concurrent round {r}: {clients} workflows (up to 4 kills a round), {len(killer.kills)} kills so far, "
             f"{tally['identical']}/{tally['runs']} identical, {tally['cancelled']} cancelled")
