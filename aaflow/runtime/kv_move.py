@@ -1,7 +1,7 @@
 """Moving a ref's KV between replicas: expose on the source, receive on the destination, release
 on the source, whatever the receive did. The one place this protocol is written, driven two ways:
 
-- `move_now(call, ...)`: call by call, waiting for each answer (`af.transfer`, calibration);
+- `move_now(call, ...)`: call by call, waiting for each answer (`af.transfer`);
 - `MoveInFlight` (`start_move`): through the scheduler's call queues, each call launched when the
   previous one answers (prefix sharing, the DSL's transfer and fork nodes on another replica).
 """
@@ -14,14 +14,14 @@ from typing import Callable
 from aaflow.runtime.calls import ExposeCall, ReceiveCall, ReleaseCall
 
 
-def move_now(call: Callable, source, dest, ref_id: str, transport: str, receive: str = "receive"):
+def move_now(call: Callable, source, dest, ref_id: str, transport: str):
     """Move ref `ref_id` from `source` to `dest` with `call(replica, method, *arguments)` (which
-    waits): the destination's answer to `receive` (its `receive` method, or one of the same
-    arguments, e.g. a timed `calibrate_receive`). The exposure is released if the receive raised."""
+    waits): the destination's answer (record, stats). The exposure is released if the receive raised."""
     expose = ExposeCall(ref_id, transport)
     handle, shape, record = call(source, expose.method, *expose.arguments())
     try:
-        return call(dest, receive, *ReceiveCall(handle, shape, record, transport).arguments())
+        receive = ReceiveCall(handle, shape, record, transport)
+        return call(dest, receive.method, *receive.arguments())
     finally:
         release = ReleaseCall(handle, transport)
         call(source, release.method, *release.arguments())

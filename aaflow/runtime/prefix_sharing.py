@@ -1,10 +1,11 @@
 """Prefix sharing: a static prefix (chat header + leading contexts) is materialized once per
 workflow, forked by every agent on the same replica and transferred to other replicas that need
 it; an evict node evicts it (`operators.evict`: its blocks leave the pool, a later fork rebuilds it
-from lineage) once its agents have forked it; it is freed when no pending agent reads it. A failed transfer falls back to recomputing the prefix where it
-was going. A prefix that a compose node asks to compose approximately is made of its contexts,
-each materialized alone (so the prefix cache serves it wherever it was computed before), composed
-on the replica (`operators.compose`); the agents forking it carry the compose's FidelityReport."""
+from lineage) once its agents have forked it; it is freed when no pending agent reads it. A failed
+transfer falls back to recomputing the prefix where it was going. A prefix that a compose node
+asks to compose approximately is made of its contexts, each materialized alone (so the prefix cache
+serves it wherever it was computed before), composed on the replica (`operators.compose`); the
+agents forking it carry the compose's FidelityReport."""
 
 from __future__ import annotations
 
