@@ -66,12 +66,18 @@ def shared_prefix_blocks(block_tables: list[list[int]], block_size: int) -> int:
     tokens always land after it."""
     if len(block_tables) < 2:  # one sequence saves nothing (and decode of one takes this path every step)
         return 0
+    n = common_blocks(block_tables)
+    return n if n * block_size * (len(block_tables) - 1) >= CASCADE_MIN_SAVED_TOKENS else 0
+
+
+def common_blocks(block_tables: list[list[int]]) -> int:
+    """How many leading blocks every table shares."""
     n = 0
     for blocks in zip(*block_tables):
         if any(b != blocks[0] for b in blocks):
             break
         n += 1
-    return n if n * block_size * (len(block_tables) - 1) >= CASCADE_MIN_SAVED_TOKENS else 0
+    return n
 
 
 def leading_run_blocks(block_table: list[int], full_blocks: int, block_size: int, decode: bool = False) -> int:

@@ -18,7 +18,8 @@ import torch
 
 from aaflow.engine.amx_attention import merge_parts
 from aaflow.engine.attention import AttentionBatch
-from aaflow.engine.cascade import CASCADE_MIN_SAVED_TOKENS, CascadeBatch, attend_prefix, attend_with_lse
+from aaflow.engine.cascade import (CASCADE_MIN_SAVED_TOKENS, CascadeBatch, attend_prefix, attend_with_lse,
+                                   common_blocks)
 from aaflow.engine.kv_cache import PagedKVCache
 
 
@@ -59,7 +60,7 @@ def _best_groups(tables: list[list[int]], rows: list[int], depth: int, block_siz
     for members in by_block.values():
         if len(members) < 2:
             continue
-        n = min(_common_blocks([tables[r] for r in members]), min(len(tables[r]) for r in members) - 1)
+        n = min(common_blocks([tables[r] for r in members]), min(len(tables[r]) for r in members) - 1)
         whole = [(members, n)] if n * block_size * (len(members) - 1) >= CASCADE_MIN_SAVED_TOKENS else []
         parts = _best_groups(tables, members, n, block_size)
         out += parts if _saved(parts) > _saved(whole) else whole
@@ -69,16 +70,6 @@ def _best_groups(tables: list[list[int]], rows: list[int], depth: int, block_siz
 def _saved(groups: list[tuple[list[int], int]]) -> int:
     """Blocks of K/V reads the groups save: each prefix read once instead of once per member."""
     return sum(n * (len(rows) - 1) for rows, n in groups)
-
-
-def _common_blocks(block_tables: list[list[int]]) -> int:
-    """How many leading blocks every table shares."""
-    n = 0
-    for blocks in zip(*block_tables):
-        if any(b != blocks[0] for b in blocks):
-            break
-        n += 1
-    return n
 
 
 def build(write: torch.Tensor, contexts: list[torch.Tensor], groups: list[tuple[list[int], int]],
