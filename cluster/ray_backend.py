@@ -11,6 +11,7 @@ import time
 
 import ray
 
+from aaflow.planning import machine_prefix_costs
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.calls import Call
 from cluster.replica_api import default_transport
@@ -37,6 +38,10 @@ class RayBackend(Backend):
     def default_transport(self) -> str:
         """The best transport every replica's engine takes (`cluster.replica_api.default_transport`)."""
         return default_transport({r.engine for r in self.handles.values()})
+
+    def prefix_costs(self):
+        """This machine's calibrated costs for the cluster (`aaflow.planning.machine_prefix_costs`), or None."""
+        return machine_prefix_costs(self.cluster)
 
     def now(self) -> float:
         return time.perf_counter() - self.start

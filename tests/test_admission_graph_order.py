@@ -4,8 +4,6 @@ overtaken only `MAX_PASSES` times."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from aaflow.runtime import admission as admission_module
 from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentState
@@ -26,9 +24,7 @@ def _agent(name: str, doc: tuple) -> AgentState:
 def _admission(blocks: int) -> tuple[Admission, list[str]]:
     opened: list[str] = []
     replica = ReplicaInfo("r0", "m", kv_blocks=blocks, block_tokens=BLOCK, prefix_cache=True)
-    scheduler = SimpleNamespace(replicas=[replica], agents={}, dead=set(), prefixes=SimpleNamespace(resident=lambda prefix, replica: False),
-                                opened_admitted=lambda agent: opened.append(agent.name))
-    return Admission(scheduler), opened
+    return Admission([replica], {}, set(), lambda prefix, replica: False), opened
 
 
 def _own(admission: Admission, agent: AgentState) -> int:
@@ -52,12 +48,12 @@ def test_a_reader_of_a_resident_prefix_goes_before_an_older_agent_needing_a_new_
     p4 = _agent("p4", DOC_P)  # no room even for its own blocks: waits behind q1
     assert not admission.admit(p4)
     assert [a.name for a in admission.waiting["r0"]] == ["q1", "p4"]
-    admission.release(p1)  # room for p4's own blocks, not for Q: the reader goes first
+    opened += [a.name for a in admission.release(p1)]  # room for p4's own blocks, not for Q: the reader goes first
     assert opened == ["p4"]
     for agent in (p2, p3, p4):
-        admission.release(agent)
+        opened += [a.name for a in admission.release(agent)]
     assert opened == ["p4", "q1"]  # P gone: Q fits, q1 was never dropped from the queue
-    admission.release(q1)
+    opened += [a.name for a in admission.release(q1)]
     assert admission.reserved["r0"] == 0 and not admission.passes
 
 
@@ -85,5 +81,5 @@ def test_without_a_resident_prefix_the_queue_keeps_its_order():
     assert admission.admit(p1)
     q1, r1 = _agent("q1", DOC_Q), _agent("r1", tuple(range(2, 1602)))
     assert not admission.admit(q1) and not admission.admit(r1)  # neither document is there
-    admission.release(p1)
+    opened += [a.name for a in admission.release(p1)]
     assert opened == ["q1"] and [a.name for a in admission.waiting["r0"]] == ["r1"]

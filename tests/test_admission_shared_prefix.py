@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import ReplicaInfo
@@ -23,9 +21,7 @@ def _agent(i: int, strategy: str = "text", prefix: tuple = PREFIX) -> AgentState
 def _admission(blocks: int, prefix_cache: bool = True) -> tuple[Admission, list[str]]:
     opened: list[str] = []
     replica = ReplicaInfo("r0", "m", kv_blocks=blocks, block_tokens=BLOCK, prefix_cache=prefix_cache)
-    scheduler = SimpleNamespace(replicas=[replica], agents={}, dead=set(), prefixes=SimpleNamespace(resident=lambda prefix, replica: False),
-                                opened_admitted=lambda agent: opened.append(agent.name))
-    return Admission(scheduler), opened
+    return Admission([replica], {}, set(), lambda prefix, replica: False), opened
 
 
 def _own_blocks() -> int:
@@ -42,12 +38,12 @@ def test_agents_sharing_a_prefix_reserve_it_once():
     ninth = _agent(8)
     assert not admission.admit(ninth)  # no room for a ninth's own blocks: it waits
     for a in agents[:7]:  # the first holder leaves first: the prefix stays reserved for the others
-        admission.release(a)
+        opened += [a.name for a in admission.release(a)]
     assert opened == ["a8"]  # admitted on the first release
     assert admission.reserved["r0"] == 125 + 2 * _own_blocks()
-    admission.release(agents[7])
+    opened += [a.name for a in admission.release(agents[7])]
     assert admission.reserved["r0"] == 125 + _own_blocks()
-    admission.release(ninth)
+    opened += [a.name for a in admission.release(ninth)]
     assert admission.reserved["r0"] == 0 and not admission.prefix_holders and not admission.holds
 
 

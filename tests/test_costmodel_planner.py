@@ -142,6 +142,19 @@ def test_near_equal_makespans_are_a_tie_won_by_less_work(link_bytes_per_s, tie):
     assert set(plan.decisions.values()) <= {"text", "recompute"}
 
 
+def test_a_move_much_slower_than_a_prefill_is_not_made_the_second_replica_computes_the_context():
+    # The same over a slow link: waiting for the context and moving it would end 20% later than
+    # computing it on the second replica at once, so under "transfer" the scheduler computes it there
+    # (aaflow/runtime/prefix_costs.py): nothing moves, and it ends with recompute.
+    c = ComputeProfile(0.01, 1e-3, 0.0, 0.05, 0.0, 0.0)
+    spec = WorkflowSpec("shared", tuple(agent(f"q{i}", "ctx", 2000, 20, out=4) for i in range(8)))
+    hw = hardware(c, link_bytes_per_s=1e8)
+    recompute = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "recompute"))
+    transfer = simulate(spec, cluster(2), hw, {"m": SMOLLM2}, uniform(spec, "transfer"))
+    assert transfer.bytes_moved == 0 and transfer.prefill_tokens_computed >= 2 * 2000
+    assert transfer.makespan_s == pytest.approx(recompute.makespan_s, rel=MAKESPAN_TIE)
+
+
 def map_reduce(prefix_tokens: int = 4096) -> WorkflowSpec:
     reviewers = tuple(agent(f"r{i}", "paper", prefix_tokens, 20, out=64) for i in range(3))
     meta = agent("meta", "paper", prefix_tokens, "r0", 5, "r1", 5, "r2", 20, out=64)
@@ -234,9 +247,10 @@ def test_a_large_workflow_is_searched_by_groups(monkeypatch):
 
 
 def test_plan_falls_back_to_text_when_nothing_beats_it():
-    spec = cross_fan_out()
-    plan = plan_workflow(spec, cluster(2), hardware(CPU, link_bytes_per_s=1e6), {"m": SMOLLM2},
-                         candidates=("transfer",))
+    # Two agents on contexts of their own: a shared prefix has nobody to share it with, and
+    # materializing it then forking it costs two calls more than text's one prefill.
+    spec = WorkflowSpec("apart", (agent("A", "P", 4096, 16, out=8), agent("B", "Q", 4096, 16, out=8)))
+    plan = plan_workflow(spec, cluster(2), hardware(CPU), {"m": SMOLLM2}, candidates=("transfer",))
     assert plan.alternatives["transfer"].makespan_s > plan.baseline.makespan_s
     assert set(plan.decisions.values()) == {"text"}
     assert plan.predicted == plan.baseline

@@ -65,9 +65,10 @@ def test_runs_from_many_threads_are_batched_together_and_keep_their_tokens(one_r
 def test_cancel_frees_the_run_and_the_others_finish(one_replica):
     cluster, model = one_replica
     expected = {n: a.token_ids for n, a in af.run(chain(model), cluster, strategy="text").agents.items()}
-    handle = af.start(long_run(model), cluster, strategy="text")
+    decoding = threading.Event()
+    handle = af.start(long_run(model, tokens=440), cluster, strategy="text", on_token=lambda *_: decoding.set())
     other = af.start(chain(model), cluster, strategy="text")
-    time.sleep(0.5)
+    assert decoding.wait(60)  # in flight (a run that ended already could not be cancelled)
     t0 = time.perf_counter()
     handle.cancel()
     with pytest.raises(af.RunCancelledError, match="cancelled"):

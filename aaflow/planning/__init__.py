@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from aaflow.errors import AAFlowError
+from aaflow.runtime.prefix_costs import PrefixCosts
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 from costmodel.hardware import HardwareProfile, load_hardware
 from costmodel.model_profile import ModelProfile
@@ -94,6 +95,18 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
         raise CostModelError("this machine has no calibrated profile for these models; run `aaflow calibrate` "
                              "(or pass a live cluster, which calibrates on first use, or --hardware NAME)")
     return found
+
+
+def machine_prefix_costs(cluster) -> PrefixCosts | None:
+    """This machine's calibrated costs of moving and computing prefixes on `cluster`'s replicas
+    (`PrefixCosts`), or None while it has no profile covering them (nothing is calibrated here)."""
+    from aaflow.calibration import covers, find_profile
+
+    infos = replica_infos(cluster)
+    profile = find_profile()
+    if not covers(profile, infos):
+        return None
+    return PrefixCosts.of(profile, model_profiles(infos), default_link(profile, cluster))
 
 
 def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:

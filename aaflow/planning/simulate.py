@@ -98,9 +98,10 @@ def simulate(spec: WorkflowSpec, cluster: ClusterSpec, hardware: HardwareProfile
 
 
 def spec_agents(spec: WorkflowSpec, strategies: dict[str, str]) -> dict[str, AgentState]:
-    """The spec's agents as scheduler state, with synthetic token ids."""
+    """The spec's agents as scheduler state, with synthetic token ids; `planned` as in a run that
+    follows a plan (a prefix may be computed rather than moved where the cost model says so)."""
     return {name: AgentState(name, task.model, strategies[name], list(segments), list(consumers), task.output_tokens,
-                             sampling, ignore_eos=True)
+                             sampling, ignore_eos=True, planned=True)
             for task, (name, segments, consumers, sampling) in zip(spec.agents, _synthetic(spec))}
 
 

@@ -29,36 +29,42 @@ queues and preempts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from aaflow.runtime.prompts import AgentInput, static_prefix
 from aaflow.strategies import TEXT_NOCACHE
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
-    from aaflow.runtime.scheduler import Scheduler
+    from aaflow.runtime.backend import ReplicaInfo
 
 MAX_PASSES = 32  # times the oldest waiting agent may be overtaken by readers of a resident prefix
 
 
 class Admission:
-    """Per-replica KV reservations and the agents waiting for room."""
+    """Per-replica KV reservations and the agents waiting for room. It decides; the scheduler
+    opens: `admit` says whether an agent may open now, `release` returns the waiting agents it
+    admitted, `head` the one to force when nothing runs."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.capacity = {r.name: r.kv_blocks for r in scheduler.replicas}  # None: not limited here
-        self.block_tokens = {r.name: max(1, r.block_tokens) for r in scheduler.replicas}
-        self.reserved = {r.name: 0 for r in scheduler.replicas}
+    def __init__(self, replicas: list[ReplicaInfo], agents: dict[str, AgentState], dead: set[str],
+                 shared_resident: Callable[[tuple, str], bool]) -> None:
+        """`agents` (every agent by name, to read upstream lengths), `dead` (lost replicas) and
+        `shared_resident(prefix key, replica)` (a shared prefix lives there) are the scheduler's,
+        read here, never changed."""
+        self.agents, self.dead, self.shared_resident = agents, dead, shared_resident
+        self.capacity = {r.name: r.kv_blocks for r in replicas}  # None: not limited here
+        self.block_tokens = {r.name: max(1, r.block_tokens) for r in replicas}
+        self.reserved = {r.name: 0 for r in replicas}
         self.holds: dict[str, tuple[str, int, tuple | None]] = {}  # agent -> (replica, blocks, prefix key)
-        self.waiting: dict[str, list[AgentState]] = {r.name: [] for r in scheduler.replicas}
+        self.waiting: dict[str, list[AgentState]] = {r.name: [] for r in replicas}
         self.gated: dict[str, str] = {}  # preempted agent -> the replica where it waits for a release
-        self.prefix_cache = {r.name: r.prefix_cache for r in scheduler.replicas}
+        self.prefix_cache = {r.name: r.prefix_cache for r in replicas}
         self.prefix_holders: dict[tuple, int] = {}  # (replica, prefix key) -> agents admitted holding it
         self.passes: dict[str, int] = {}  # waiting agent -> times a reader of a resident prefix overtook it
 
     def blocks(self, agent: AgentState, replica: str) -> int:
         """The most blocks `agent` can hold on `replica`: prompt at its longest plus its output."""
-        agents = self.scheduler.agents
+        agents = self.agents
         tokens = agent.max_tokens + sum(agents[s.agent].max_tokens if isinstance(s, AgentInput) else len(s)
                                         for s in agent.segments)
         return -(-tokens // self.block_tokens[replica]) + 1  # + the block a fork copies on write
@@ -93,51 +99,48 @@ class Admission:
             agent.state = "admitting"
         return False
 
-    def release(self, agent: AgentState) -> None:
-        """`agent` ended or starts over: give its blocks back and admit whoever now fits there."""
+    def release(self, agent: AgentState) -> list[AgentState]:
+        """`agent` ended or starts over: give its blocks back; the waiting agents that now fit there,
+        admitted (their room reserved), in the order they are to open."""
         hold = self.holds.pop(agent.name, None)
         self.passes.pop(agent.name, None)
         for queue in self.waiting.values():
             if agent in queue:
                 queue.remove(agent)
         if hold is None:
-            return
+            return []
         replica, blocks, key = hold
         self.reserved[replica] -= blocks
         if key is not None:
             self._drop_holder(replica, key)
         for name in [n for n, r in self.gated.items() if r == replica]:
             del self.gated[name]
-        self._admit_waiting(replica)
+        return self._admit_waiting(replica)
 
     def gate(self, agent: AgentState) -> None:
         """`agent` was preempted on its replica: it is admitted there again only after a release."""
         self.gated[agent.name] = agent.replica
 
-    def force_one(self) -> bool:
-        """Nothing runs and agents wait for room: admit the first waiting agent anyway (preemption
-        handles a real shortage). False when nobody waits."""
-        for replica, queue in self.waiting.items():
-            if queue and replica not in self.scheduler.dead:
-                first = queue[0]
-                if first.name in self.gated:  # preempted while nothing of this run runs: other runs hold
-                    recovery = self.scheduler.recovery  # the KV; free ours there too, then wait a while
-                    recovery.yield_kv(replica, keep=first)
-                    self.scheduler.backend.pause(recovery.backoff_s(first))
-                    if first not in queue:  # admitted meanwhile
-                        return True
-                    self.gated.pop(first.name, None)
-                queue.remove(first)
-                self._open(first)
-                return True
-        return False
+    def head(self) -> AgentState | None:
+        """The agent at the head of the first live replica's queue, or None when nobody waits: what
+        the scheduler forces when nothing runs (preemption handles a real shortage)."""
+        return next((queue[0] for replica, queue in self.waiting.items() if queue and replica not in self.dead), None)
+
+    def is_waiting(self, agent: AgentState) -> bool:
+        return any(agent in queue for queue in self.waiting.values())
+
+    def force(self, agent: AgentState) -> None:
+        """Admit a waiting agent whether it fits or not."""
+        self.gated.pop(agent.name, None)
+        self.waiting[agent.replica].remove(agent)
+        self._reserve(agent)
 
     def resident(self, agent: AgentState) -> bool:
         """Its static prefix (a block or more) is on its replica: held by an admitted agent there,
         or a shared prefix there."""
         replica, key = agent.replica, agent.prefix_key
         return self.shared_blocks(agent, replica) > 0 and (
-            (replica, key) in self.prefix_holders or self.scheduler.prefixes.resident(key, replica))
+            (replica, key) in self.prefix_holders or self.shared_resident(key, replica))
 
     def _overtakes(self, agent: AgentState, queue: list[AgentState]) -> bool:
         """`agent` may go before the waiting `queue`: it reads a resident prefix and the oldest
@@ -148,18 +151,21 @@ class Admission:
         self.passes[head] = self.passes.get(head, 0) + 1
         return True
 
-    def _admit_waiting(self, replica: str) -> None:
+    def _admit_waiting(self, replica: str) -> list[AgentState]:
         """Readers of resident prefixes that fit first, oldest first; then the queue in order
-        while its head fits."""
-        queue = self.waiting[replica]
-        if replica in self.scheduler.dead:
-            return
+        while its head fits. The agents admitted."""
+        queue, admitted = self.waiting[replica], []
+        if replica in self.dead:
+            return admitted
         for agent in [a for a in queue[1:] if self.resident(a)]:
             if self._may_admit(agent, replica) and self._overtakes(agent, queue):
                 queue.remove(agent)
-                self._open(agent)
+                admitted.append(agent)
+                self._reserve(agent)
         while queue and self._may_admit(queue[0], replica):
-            self._open(queue.pop(0))
+            admitted.append(queue.pop(0))
+            self._reserve(admitted[-1])
+        return admitted
 
     def _may_admit(self, agent: AgentState, replica: str) -> bool:
         """Not waiting for a release there after a preemption, and it fits (or the replica holds
@@ -184,7 +190,3 @@ class Admission:
             self.prefix_holders[(replica, prefix)] = left
         else:
             self.reserved[replica] -= shared
-
-    def _open(self, agent: AgentState) -> None:
-        self._reserve(agent)
-        self.scheduler.opened_admitted(agent)

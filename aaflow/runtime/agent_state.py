@@ -42,6 +42,7 @@ class AgentState:
     kv: KVDirective = KVDirective()
     evicts_prefix: bool = False  # its prefix holds a context an evict node names
     prefix_parts: tuple[int, ...] = ()  # with an approximate compose: the lengths of the contexts composed
+    planned: bool = False  # its strategy is the planner's: a prefix it shares may be computed rather than moved
     result: AgentResult = None
     replica: str | None = None
     sid: str = ""

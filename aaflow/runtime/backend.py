@@ -58,6 +58,12 @@ class Backend(ABC):
         prefix is first transferred; a backend that cannot transfer need not answer."""
         raise NotImplementedError(f"{type(self).__name__} names no default transport: pass transport=")
 
+    def prefix_costs(self):
+        """The cost model's `aaflow.runtime.prefix_costs.PrefixCosts` for these replicas, or None
+        (no calibrated profile): a replica lacking a shared prefix then always has it moved from
+        where it is or will be. Asked once, when the first prefix is fetched."""
+        return None
+
     @abstractmethod
     def now(self) -> float:
         """Seconds since the backend started (wall clock or simulated)."""

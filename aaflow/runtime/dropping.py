@@ -36,7 +36,7 @@ def drop(scheduler: Scheduler, agents: list[AgentState]) -> None:
                 queue.extend(kept)
             if agent.state not in ("new", "admitting") and replica not in s.dead:
                 s.queues.call(replica, CloseCall(agent.sid))
-        s.admission.release(agent)
+        s.release_kv(agent)
         s.admission.gated.pop(agent.name, None)
         for key, waiting in list(s.prefixes.waiters.items()):
             if agent in waiting:

@@ -35,7 +35,8 @@ def workflow_agents(workflow, builders: dict, strategy: str,
         agents[node.name] = AgentState(
             node.name, node.model, chosen, segments, readers[node.name], node.max_tokens, sampling, node.ignore_eos,
             node.unordered, kv, evicts_prefix=bool(evicted & _leading_contexts(workflow, node)),
-            prefix_parts=_composed_parts(workflow, node, builders[node.model], segments) if kv.compose else ())
+            prefix_parts=_composed_parts(workflow, node, builders[node.model], segments) if kv.compose else (),
+            planned=not node.strategy and node.name in (decisions or {}))
     return agents
 
 

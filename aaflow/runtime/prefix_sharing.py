@@ -2,7 +2,9 @@
 workflow, forked by every agent on the same replica and transferred to other replicas that need
 it; an evict node evicts it (`operators.evict`: its blocks leave the pool, a later fork rebuilds it
 from lineage) once its agents have forked it; it is freed when no pending agent reads it. A failed
-transfer falls back to recomputing the prefix where it was going. A prefix that a compose node
+transfer falls back to recomputing the prefix where it was going. Whether a replica that lacks a
+prefix waits for it to be moved or computes it itself, the cost model says where it can
+(`aaflow.runtime.prefix_costs`). A prefix that a compose node
 asks to compose approximately is made of its contexts, each materialized alone (so the prefix cache
 serves it wherever it was computed before), composed on the replica (`operators.compose`); the
 agents forking it carry the compose's FidelityReport."""
@@ -30,6 +32,9 @@ class PrefixSharing:
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
         self.transferring: dict[tuple, MoveInFlight] = {}  # prefix + (dest,) -> its move
         self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
+        self.origin_since: dict[Prefix, float] = {}  # prefix -> when its origin was asked to materialize it
+        self.computing_here: set[tuple] = set()  # prefix + (replica,): being computed there (nothing is moved there)
+        self._costs, self._costs_asked = None, False
         self.composing: dict[tuple, list] = {}  # composed prefix + (replica,) -> its parts' records so far
         self.evicted: set[tuple] = set()  # prefix + (replica,) evicted by an evict node: a ref, not resident
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
@@ -42,6 +47,13 @@ class PrefixSharing:
         if self._transport is None:
             self._transport = self.scheduler.backend.default_transport()
         return self._transport
+
+    @property
+    def costs(self):
+        """The cost model's `PrefixCosts` for this scheduler's replicas (asked of the backend once), or None."""
+        if not self._costs_asked:
+            self._costs, self._costs_asked = self.scheduler.backend.prefix_costs(), True
+        return self._costs
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""
@@ -63,18 +75,41 @@ class PrefixSharing:
         waiting.append(agent)
         if len(waiting) > 1:
             return
-        self._fetch(prefix, rname)
+        self._fetch(prefix, rname, may_compute=agent.planned)
 
-    def _fetch(self, prefix: Prefix, rname: str) -> None:
-        """Bring the prefix to `rname`: from a live replica that holds it, else computed there
-        (once: while another replica computes it, `rname` waits to receive it)."""
+    def _fetch(self, prefix: Prefix, rname: str, may_compute: bool = False) -> None:
+        """Bring the prefix to `rname`: moved from a live replica that holds it, else computed there
+        (once: while another replica computes it, `rname` waits to receive it), unless
+        `may_compute` (the agent's strategy is the planner's, not one the user named) and the cost
+        model says computing it on `rname` ends sooner than either."""
         holders = self.refs.setdefault(prefix, {})
         source = next((r for r in self.queues.replicas if r in holders and r not in self.scheduler.dead), None)
         if source is not None:
-            self._transfer(prefix, source, rname, holders[source])
+            if may_compute and self._sooner_here(prefix, 0.0):
+                self._compute_here(prefix, rname)
+            else:
+                self._transfer(prefix, source, rname, holders[source])
         elif prefix not in self.origin:
-            self.origin[prefix] = rname
+            self.origin[prefix], self.origin_since[prefix] = rname, self.scheduler.now()
+            self.computing_here.add(prefix + (rname,))
             self._materialize(prefix, rname)
+        elif may_compute and self._sooner_here(prefix, self._ready_in(prefix)):
+            self._compute_here(prefix, rname)
+
+    def _sooner_here(self, prefix: Prefix, holder_ready_in_s: float) -> bool:
+        costs = self.costs
+        return costs is not None and prefix[2] is None and costs.compute_here(prefix[0], len(prefix[1]), holder_ready_in_s)
+
+    def _ready_in(self, prefix: Prefix) -> float:
+        """Seconds until the prefix's origin has computed it, as the cost model expects."""
+        elapsed = self.scheduler.now() - self.origin_since.get(prefix, self.scheduler.now())
+        return self.costs.ready_in_s(prefix[0], len(prefix[1]), elapsed)
+
+    def _compute_here(self, prefix: Prefix, rname: str) -> None:
+        self.computing_here.add(prefix + (rname,))
+        self.scheduler.events.append(f"{self.scheduler.now():.2f}s computing a prefix of {len(prefix[1])} tokens on "
+                                     f"{rname}: sooner than moving it there (cost model)")
+        self._materialize(prefix, rname)
 
     def _materialize(self, prefix: Prefix, rname: str) -> None:
         """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
@@ -131,7 +166,12 @@ class PrefixSharing:
         self._ready(prefix, rname, record.id, 0, received=False)
 
     def _ready(self, prefix: Prefix, rname: str, ref_id: str, nbytes: int, received: bool) -> None:
-        self.refs.setdefault(prefix, {})[rname] = ref_id
+        holders = self.refs.setdefault(prefix, {})
+        self.computing_here.discard(prefix + (rname,))
+        if rname in holders:  # it arrived there twice: keep one
+            self.queues.call(rname, FreeCall(ref_id))
+            ref_id = holders[rname]
+        holders[rname] = ref_id
         waiters = self.waiters.pop(prefix + (rname,), [])
         if waiters:  # one transfer serves every waiter: its bytes count once, for the first
             waiters[0].result.bytes_moved += nbytes
@@ -139,7 +179,7 @@ class PrefixSharing:
             agent.prefix_via = agent.prefix_via or ("transfer" if received else "recompute" if i == 0 else "reuse")
             self.fork_into(agent, prefix)
         for key, waiting in list(self.waiters.items()):  # replicas waiting for this prefix
-            if key[:-1] == prefix and waiting and key not in self.transferring:
+            if key[:-1] == prefix and waiting and key not in self.transferring and key not in self.computing_here:
                 self._transfer(prefix, rname, waiting[0].replica, ref_id)
 
     def evict_if_forked(self, prefix: Prefix) -> None:
@@ -173,6 +213,7 @@ class PrefixSharing:
         """Free the prefix's shared KV wherever it is held, and forget it."""
         self.free(self.refs.pop(prefix, {}))
         self.origin.pop(prefix, None)
+        self.origin_since.pop(prefix, None)
         self.evicted -= {k for k in self.evicted if k[:-1] == prefix}
 
     def resident(self, prefix: Prefix, rname: str) -> bool:
@@ -190,6 +231,7 @@ class PrefixSharing:
         for holders in self.refs.values():
             holders.pop(rname, None)
         self.evicted = {k for k in self.evicted if k[-1] != rname}
+        self.computing_here = {k for k in self.computing_here if k[-1] != rname}
         self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}
         for key, move in list(self.transferring.items()):
             if key[-1] == rname:
@@ -220,6 +262,7 @@ class PrefixSharing:
             prefix = next((k[:-1] for k in self.waiters if k[-1] == rname and tokens in _pieces(k[:-1])), None)
             keys = [] if prefix is None else [prefix + (rname,)]
         if prefix is not None:
+            self.computing_here.discard(prefix + (rname,))
             for part in self.composing.pop(prefix + (rname,), []):
                 if part is not None:
                     self.queues.call(rname, FreeCall(part.id))
@@ -231,6 +274,7 @@ class PrefixSharing:
             del self.transferring[key]
             if move.release_call():
                 self.queues.call(move.source, move.release_call())
+            self.computing_here.add(key)
             self._materialize(key[:-1], key[-1])
 
 

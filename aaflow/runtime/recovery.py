@@ -98,7 +98,7 @@ class Recovery:
         s = self.scheduler
         if agent in s.decoding[agent.replica]:
             s.decoding[agent.replica].remove(agent)
-        s.admission.release(agent)
+        s.release_kv(agent)
         if gate:
             s.admission.gate(agent)
         agent.restart()

@@ -62,7 +62,8 @@ class Scheduler:
         self.streaming_readers: dict[str, list[AgentState]] = {}
         self.unfinished = 0
         self.queues = CallQueues(self, backend, lend_cores)
-        self.admission = Admission(self)
+        self.admission = Admission(self.replicas, self.agents, self.dead,
+                                   lambda key, replica: self.prefixes.resident(key, replica))
         self.prefixes = PrefixSharing(self, transport)
         self.recovery = Recovery(self)
         self._register(agents)
@@ -128,6 +129,27 @@ class Scheduler:
         self.place(agent)
         if self.admission.admit(agent):
             self.opened_admitted(agent)
+
+    def release_kv(self, agent: AgentState) -> None:
+        """`agent` ended or starts over: its KV reservation goes; open whoever admission admits now."""
+        for admitted in self.admission.release(agent):
+            self.opened_admitted(admitted)
+
+    def force_admission(self) -> bool:
+        """Nothing runs and agents wait for room: open the first waiting agent anyway (preemption
+        handles a real shortage). One preempted while other runs hold the KV makes its run's
+        holders there yield first, then waits a while. False when nobody waits."""
+        first = self.admission.head()
+        if first is None:
+            return False
+        if first.name in self.admission.gated:
+            self.recovery.yield_kv(first.replica, keep=first)
+            self.backend.pause(self.recovery.backoff_s(first))
+            if not self.admission.is_waiting(first):  # admitted meanwhile
+                return True
+        self.admission.force(first)
+        self.opened_admitted(first)
+        return True
 
     def opened_admitted(self, agent: AgentState) -> None:
         """Its KV has room on its replica: open its session (on a fork of its shared prefix or not)."""
@@ -233,7 +255,7 @@ class Scheduler:
         self.load[agent.replica] -= 1
         self.decoding[agent.replica].remove(agent)
         self.queues.call(agent.replica, CloseCall(agent.sid))
-        self.admission.release(agent)
+        self.release_kv(agent)
         if self.on_done is not None:
             self.on_done(agent.name)
         for consumer in self.readers[agent.name]:
@@ -280,7 +302,7 @@ class Scheduler:
             self.queues.launch()
             if self.queues.inflight:
                 return True
-            if not self.admission.force_one():
+            if not self.force_admission():
                 return False
 
     def process(self, ticket) -> None:

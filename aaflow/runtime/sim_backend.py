@@ -17,6 +17,7 @@ import itertools
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, EvictCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
                                   OpenCall, PackCall, PrefillCall, ReceiveCall, ReleaseCall, StepCall, StepsCall)
+from aaflow.runtime.prefix_costs import PrefixCosts
 from aaflow.runtime.sim_replica import SimReplica
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 
@@ -29,6 +30,7 @@ class SimBackend(Backend):
     def __init__(self, replicas: list[tuple[str, str]], hardware, models: dict, link: str,
                  call_overhead_s: float, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         self.link, self.link_name, self.memcpy_bytes_per_s = hardware.link(link), link, hardware.memcpy_bytes_per_s
+        self.costs = PrefixCosts.of(hardware, {model: models[model] for _, model in replicas}, link)
         self.infos = [ReplicaInfo(name, model, "builtin", SIM_NODE, 1) for name, model in replicas]
         self.sims = {name: SimReplica(name, hardware.compute_for(models[model]), models[model].kv_bytes_per_token,
                                       block_tokens, call_overhead_s) for name, model in replicas}
@@ -51,6 +53,9 @@ class SimBackend(Backend):
     def default_transport(self) -> str:
         """The link calls are timed on (`ClusterSpec.link`): its name is the transport."""
         return self.link_name
+
+    def prefix_costs(self) -> PrefixCosts:
+        return self.costs
 
     def now(self) -> float:
         return self.clock
