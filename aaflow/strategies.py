@@ -10,7 +10,19 @@ STRATEGIES = ("auto", "text", "text-nocache", "recompute", "transfer", "stream",
 """What `af.run(strategy=...)` and a per-agent `strategy=` accept; "auto" lets the planner choose.
 "text" is plain text passing as a user of a serving engine runs it (each agent prefilled once its
 inputs are done, the replica's prefix cache on): the baseline every speedup is quoted against.
-"text-nocache" turns the prefix cache off too: only for papers' baselines that need it, labelled so."""
+"text-nocache" turns the prefix cache off too: only for papers' baselines that need it, labelled so.
+
+Per incoming edge of an agent, the scheduler (`aaflow.runtime.scheduler`):
+  text       waits for every input, prefills the whole prompt; the replica's prefix cache may serve
+             shared blocks (text passing as on a serving engine): the baseline;
+  recompute  the same (the planner's name for it on an edge);
+  transfer   materializes the static prefix (chat header + contexts) once, forks it on the same
+             replica and moves it to others; the rest is prefilled when the inputs are done;
+  stream     prefills the static prefix at once and upstream tokens in chunks while the upstream
+             still decodes (position-stable segments only), the remainder at its end;
+  transfer+stream  both;
+  auto       as transfer+stream for prefixes of at least AUTO_MIN_SHARED_PREFIX tokens, else
+             stream (the planner resolves "auto" per agent before a run)."""
 
 TEXT_NOCACHE = "text-nocache"
 """The one strategy that never lets the prefix cache serve a prompt."""

@@ -1,23 +1,12 @@
-"""The scheduler: runs a workflow's agents on replicas, one short replica call at a time.
+"""The scheduler: runs agents on replicas, one short replica call at a time.
 
-Per incoming-edge strategy of an agent:
-  text       wait for every input, prefill the whole prompt; the replica's prefix cache may serve
-             shared blocks (text passing as on a serving engine): the baseline;
-  recompute  the same (the planner's name for it on an edge);
-  text-nocache  as text, with no KV reuse at all (papers' no-cache baseline);
-  transfer   the static prefix (chat header + contexts) is materialized once and forked on the
-             same replica, transferred to others; the rest is prefilled when the inputs are done;
-  stream     the static prefix is prefilled at once; upstream tokens are prefilled in chunks while
-             the upstream still decodes (position-stable segments only); the remainder at its end;
-  transfer+stream  both;
-  auto       as transfer+stream for prefixes of at least AUTO_MIN_SHARED_PREFIX tokens, else
-             stream (the planner resolves "auto" per agent before a run).
-Explicit KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top.
+What each strategy does on an agent's incoming edges is written in `aaflow.strategies`; explicit
+KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top.
 
 It is plain code that owns its state and drives replicas through a `Backend`: on Ray
-(`cluster.ray_backend`) it runs a workflow; on the simulated clock (`sim_backend`) it predicts
-one. Its parts: `CallQueues` (per-replica queues, packing, mixed steps, lending),
-`PrefixSharing`, `Recovery`.
+(`cluster.ray_backend`) it runs workflows; on the simulated clock (`sim_backend`) it predicts
+them. Its parts decide and it acts: `Placement`, `Admission`, `CallQueues` (per-replica queues,
+packing, mixed steps, lending), `PrefixSharing`, `Recovery`.
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaLostError
 from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CloseCall, OpenCall, PrefillCall
+from aaflow.runtime.placement import Placement
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.feeding import consume, feedable
 from aaflow.runtime.recovery import AgentFailedError, Recovery
@@ -53,7 +43,6 @@ class Scheduler:
         self.load = {r.name: 0 for r in self.replicas}  # unfinished agents placed on each replica
         self.decoding: dict[str, list[AgentState]] = {r.name: [] for r in self.replicas}  # in placement order
         self.placements = 0
-        self.last_placed: dict[tuple, str] = {}  # prefix key -> the replica its last agent was placed on
         self.run_id = uuid.uuid4().hex[:12]  # session names are unique across concurrent runs on shared replicas
         self.fresh_sids: set[str] = set()  # sessions whose first prompt segment is queued or running
         self.dropped_sids: set[str] = set()  # sessions of agents whose run failed or was cancelled
@@ -61,6 +50,7 @@ class Scheduler:
         self.readers: dict[str, list[AgentState]] = {}
         self.streaming_readers: dict[str, list[AgentState]] = {}
         self.unfinished = 0
+        self.placement = Placement()
         self.queues = CallQueues(self, backend, lend_cores)
         self.admission = Admission(self.replicas, self.agents, self.dead,
                                    lambda key, replica: self.prefixes.resident(key, replica))
@@ -97,22 +87,13 @@ class Scheduler:
     def now(self) -> float:
         return self.backend.now()
 
-    # --- placement -----------------------------------------------------------------------
     def place(self, agent: AgentState) -> None:
-        """The live replica of its model with the least unfinished agents, preferring one that
-        holds its prefix (as a shared prefix, or where the last agent with that prefix went: the
-        replica's prefix cache), then one with room for its KV, and above all the one a transfer
-        node names."""
+        """Put `agent` on the replica `Placement` chooses."""
         alive = self.recovery.live_replicas(agent.model)
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}", [agent.name])
-        holders = self.prefixes.refs.get(agent.prefix_key, {})
-        cached = self.last_placed.get(agent.prefix_key)  # its prefix is likely in that replica's prefix cache
-        best = min(alive, key=lambda r: self.load[r] - (1.5 if r in holders or r == cached else 0)
-                   + (0 if self.admission.fits(agent, r) else 10) - (100 if r == agent.kv.replica else 0))
-        if len(self.last_placed) > 4096:
-            self.last_placed.clear()
-        self.last_placed[agent.prefix_key] = best
+        best = self.placement.choose(agent, alive, self.load, self.prefixes.refs.get(agent.prefix_key, {}),
+                                     self.admission.fits)
         if agent.replica is not None and agent in self.placed[agent.replica]:
             self.placed[agent.replica].remove(agent)
             self.load[agent.replica] -= 1
@@ -124,7 +105,6 @@ class Scheduler:
         agent.result.strategy = agent.strategy
         agent.start_s = self.now()
 
-    # --- agent lifecycle -----------------------------------------------------------------
     def open(self, agent: AgentState) -> None:
         self.place(agent)
         if self.admission.admit(agent):
@@ -136,9 +116,8 @@ class Scheduler:
             self.opened_admitted(admitted)
 
     def force_admission(self) -> bool:
-        """Nothing runs and agents wait for room: open the first waiting agent anyway (preemption
-        handles a real shortage). One preempted while other runs hold the KV makes its run's
-        holders there yield first, then waits a while. False when nobody waits."""
+        """Nothing runs: open the first waiting agent anyway (preemption handles a real shortage),
+        one preempted while others hold the KV after they yield it. False when nobody waits."""
         first = self.admission.head()
         if first is None:
             return False
@@ -264,7 +243,6 @@ class Scheduler:
             else:
                 self.advance(consumer)
 
-    # --- the loop ------------------------------------------------------------------------
     def run(self) -> None:
         """Run every agent to its end, then what is still queued; frees every shared prefix.
         Raises AgentFailedError naming the agents that failed and the consumers stopped."""
