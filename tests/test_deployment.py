@@ -176,6 +176,44 @@ def test_two_clients_at_once_share_the_document_kv(head, deployment, model, tmp_
     assert later.metrics["prefill_reused"] >= doc and later["summary"].token_ids == results["summary"]["tokens"]["summary"]
 
 
+def readme_serve_blocks() -> tuple[str, str]:
+    """The README's serve command and its Python client, as written."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### Serve over HTTP"):]
+    bash = section[section.index("```bash") + len("```bash"):]
+    python = section[section.index("```python") + len("```python"):]
+    return bash[:bash.index("```")].strip(), python[:python.index("```")].strip()
+
+
+def test_readme_serve_example_runs_as_written(head, deployment, model):
+    """`aaflow serve` on the deployment, then the README's `openai` client (this head's port, the
+    tiny model, a free HTTP port)."""
+    from benchmarks.ray_head import free_ports
+
+    command, client = readme_serve_blocks()
+    assert command.startswith("aaflow serve --address 127.0.0.1:6379")
+    port = free_ports(1)[0]
+    args = command.replace("127.0.0.1:6379", head.address).replace("--port 8000", f"--port {port}").split()[1:]
+    server = subprocess.Popen([sys.executable, "-m", "aaflow.cli", *args], env=head.env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, server.stdout.read() if server.poll() else "late"
+                time.sleep(0.5)
+        script = client.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace('"smollm2"', json.dumps(model))
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip()  # the answer and its cached tokens
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def test_up_twice_is_refused(head, deployment, model):
     out = cli(head, "up", "--address", head.address, "--replicas", f"{model}=1", check=False)
     assert out.returncode == 2 and "already runs" in out.stderr

@@ -89,7 +89,7 @@ def run(workflow, cluster, strategy: str = "auto", on_token=None, on_agent=None,
 
 def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
           transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None,
-          timeout_s: float | None = None):
+          timeout_s: float | None = None, keep_prefix_s: float | None = None):
     """Hand `workflow` to the scheduling loop of `cluster` and return its `RunHandle` at once
     (`result()` waits for the `RunResult`, `cancel()` ends it and frees its KV).
 
@@ -117,12 +117,16 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
         on_token: called as `on_token(agent, token_id)` for each token as it is decoded (streaming).
         on_agent: called as `on_agent(agent, text)` as each agent finishes.
         timeout_s: end the run (freeing its KV) with `RunCancelledError` once it has run this long.
+        keep_prefix_s: keep the shared prefixes its agents forked this long after it ends (a later
+            run reading one forks it rather than computing it; the HTTP endpoint's `ttl_s` hint).
 
     Callbacks run on the loop's thread (on a deployment: on a thread of this process): keep them short.
     """
     _check_arguments(workflow, cluster, strategy)
+    if keep_prefix_s is not None and not (isinstance(keep_prefix_s, (int, float)) and 0 <= keep_prefix_s < float("inf")):
+        raise InvalidArgumentError(f"keep_prefix_s must be a finite number of seconds >= 0, got {keep_prefix_s!r}")
     options = dict(chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s, transport=transport, plan=plan,
-                   lend_cores=lend_cores, timeout_s=timeout_s)
+                   lend_cores=lend_cores, timeout_s=timeout_s, keep_prefix_s=keep_prefix_s)
     remote = getattr(cluster, "scheduler", None)
     if remote is not None:  # a deployment's loop, in its actor
         from cluster.scheduler_actor import RemoteRunHandle
@@ -144,7 +148,8 @@ def _check_arguments(workflow, cluster, strategy) -> None:
 
 
 def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout_s: float, transport: str | None,
-               plan, lend_cores: bool, timeout_s: float | None, on_token=None, on_agent=None) -> RunHandle:
+               plan, lend_cores: bool, timeout_s: float | None, on_token=None, on_agent=None,
+               keep_prefix_s: float | None = None) -> RunHandle:
     """`start` on a loop of this process: check and plan the run here, then hand it over."""
     called = time.perf_counter()
     workflow.validate(served_models=cluster.models)
@@ -168,4 +173,4 @@ def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout
     agents = workflow_agents(workflow, builders, strategy, decisions)
     service = service_for(cluster, chunk_tokens, call_timeout_s, transport, lend_cores)
     return service.submit(workflow, agents, builders, eos, strategy, events, on_token=on_token, on_agent=on_agent,
-                          timeout_s=timeout_s, planning_s=planning_s, called=called)
+                          timeout_s=timeout_s, planning_s=planning_s, called=called, keep_prefix_s=keep_prefix_s)

@@ -50,12 +50,12 @@ def drop(scheduler: Scheduler, agents: list[AgentState]) -> None:
         s.unfinished -= 1
 
 
-def free_unread_prefixes(scheduler: Scheduler, agents: list[AgentState]) -> int:
+def free_unread_prefixes(scheduler: Scheduler, agents: list[AgentState], kept=()) -> int:
     """A run ended: free the shared prefixes its agents forked that no unfinished agent of any run
-    will read (a prefix that another run's pending agents read stays: it is computed once).
-    Answers how many it freed."""
+    will read (a prefix that another run's pending agents read stays: it is computed once), but
+    those in `kept`. Answers how many it freed."""
     s = scheduler
-    keys = {a.prefix_key for a in agents if a.prefix_key in s.prefixes.refs}
+    keys = {a.prefix_key for a in agents if a.prefix_key in s.prefixes.refs and a.prefix_key not in kept}
     if not keys:
         return 0
     pending = {a.prefix_key for a in s.agents.values() if a.state != "done" and a.prefix_key in keys}

@@ -16,6 +16,8 @@ from aaflow.errors import WorkflowError
 from aaflow.workflow.graph import AgentNode, ContextNode, KVOpNode, Ref, Workflow
 
 _PLACEHOLDER = "\u2063AAFLOW_PROMPT\u2063"
+FRAMES_KEPT = 1024  # chat frames (system prompt + earlier turns) a builder remembers
+TEXTS_KEPT = 8192  # tokenized texts a builder remembers
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self._lock = lock or threading.Lock()  # a fast tokenizer is not safe to call from two threads at once
         self._memo: dict[str, tuple[int, ...]] = {}  # a context read by many agents is tokenized once
-        self._frames: dict[str | None, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._frames: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.separator = self.ids("\n\n")
 
     def ids(self, text: str) -> tuple[int, ...]:
@@ -43,17 +45,24 @@ class PromptBuilder:
         ids = self._memo.get(text)
         if ids is None:
             with self._lock:
+                if len(self._memo) > TEXTS_KEPT:  # a long-lived server sees ever new texts
+                    self._memo.clear()
                 ids = self._memo[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
         return ids
 
-    def frame(self, system: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Token ids before and after the user message in the model's chat template."""
-        if system not in self._frames:
-            self._frames[system] = self._frame(system)
-        return self._frames[system]
+    def frame(self, system: str | None, history: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Token ids before and after the user message in the model's chat template (after the
+        system prompt and the conversation's earlier turns)."""
+        key = (system, history)
+        if key not in self._frames:
+            if len(self._frames) > FRAMES_KEPT:
+                self._frames.clear()
+            self._frames[key] = self._frame(system, history)
+        return self._frames[key]
 
-    def _frame(self, system: str | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _frame(self, system: str | None, history: tuple[tuple[str, str], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": role, "content": content} for role, content in history] + [
             {"role": "user", "content": _PLACEHOLDER}]
         with self._lock:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -63,7 +72,7 @@ class PromptBuilder:
     def segments(self, wf: Workflow, agent: AgentNode) -> list[Segment]:
         """The agent's prompt as segments. The first is the shareable prefix: the chat header and
         the leading contexts, which other agents may share; adjacent known segments after it merge."""
-        head, tail = self.frame(agent.system)
+        head, tail = self.frame(agent.system, agent.history)
         out: list[Segment] = [head]
         shared = True
         for i, part in enumerate(prompt_leaves(wf, agent)):
@@ -92,7 +101,7 @@ class PromptBuilder:
     def prefix_part_lengths(self, wf: Workflow, agent: AgentNode) -> list[int]:
         """How the static prefix splits into its contexts (as `segments` joins them): the chat
         header with the first context, then each further context with the separator before it."""
-        head, _ = self.frame(agent.system)
+        head, _ = self.frame(agent.system, agent.history)
         lengths: list[int] = []
         for i, part in enumerate(prompt_leaves(wf, agent)):
             if not isinstance(part, ContextNode):

@@ -22,6 +22,8 @@ class RunHandle:
         self._ended = threading.Event()
         self._result: RunResult | None = None
         self._error: BaseException | None = None
+        self._callbacks: list = []
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         return self._ended.is_set()
@@ -39,6 +41,19 @@ class RunHandle:
         """End the run now (a no-op once it has ended); `result()` then raises RunCancelledError."""
         self.service._inbox.put(("cancel", self.run_id))
 
+    def add_done_callback(self, fn) -> None:
+        """Call `fn(self)` once the run has ended (now, if it has): an event loop can await a run
+        without a thread blocked in `result()`. `fn` runs on the thread that ends the run: keep it short."""
+        with self._lock:
+            if not self._ended.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def _end(self, result: RunResult | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._ended.set()
+        with self._lock:
+            self._ended.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)

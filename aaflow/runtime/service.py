@@ -47,6 +47,7 @@ class _Run:
     on_agent: object = None
     timeout_s: float | None = None
     planning_s: float = 0.0
+    keep_prefix_s: float | None = None  # its shared prefixes are kept this long after it ends
     called: float = 0.0  # perf_counter when the client called
     handle: RunHandle = None
     start_s: float = 0.0  # loop time when the loop took it
@@ -75,6 +76,7 @@ class RunService:
         self._closing = threading.Lock()  # a submit either reaches the loop or is refused once it stops
         self._raised: list[tuple[_Run, BaseException]] = []  # runs whose callbacks raised, ended after the call
         self._progress_s = 0.0  # loop time a call last ended
+        self.kept: dict[tuple, float] = {}  # shared prefix key -> loop time it is kept until (`keep_prefix_s`)
         self.cpu_s = 0.0  # CPU seconds the loop's thread has used (waiting on replicas uses none)
         self._thread = threading.Thread(target=self._serve, name="aaflow-scheduler", daemon=True)
         self._thread.start()
@@ -82,12 +84,13 @@ class RunService:
     # --- clients' side (any thread) ---------------------------------------------------------
     def submit(self, workflow, agents: dict[str, AgentState], builders: dict, eos: dict[str, set[int]],
                strategy: str, events: list[str] | None = None, on_token=None, on_agent=None,
-               timeout_s: float | None = None, planning_s: float = 0.0, called: float | None = None) -> RunHandle:
+               timeout_s: float | None = None, planning_s: float = 0.0, called: float | None = None,
+               keep_prefix_s: float | None = None) -> RunHandle:
         """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once.
         `planning_s` and `called` (`time.perf_counter()` when the client called) go to the result."""
         run_id = f"r{next(self._ids)}"
         run = _Run(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
-                   on_token, on_agent, timeout_s, planning_s=planning_s,
+                   on_token, on_agent, timeout_s, planning_s=planning_s, keep_prefix_s=keep_prefix_s,
                    called=time.perf_counter() if called is None else called)
         run.handle = RunHandle(self, run_id)
         with self._closing:
@@ -105,7 +108,8 @@ class RunService:
     def _serve(self) -> None:
         s = self.scheduler
         while not self._stopped:
-            self._take(block=not s.unfinished and not s.queues.inflight and not self._queued())
+            idle = not s.unfinished and not s.queues.inflight and not self._queued()
+            self._take(block=idle, timeout_s=self._release_kept() if idle else None)
             if self._stopped:
                 break
             try:
@@ -157,11 +161,22 @@ class RunService:
         s = self.scheduler
         return any(q for name, q in s.queues.queues.items() if name not in s.dead)
 
-    def _take(self, block: bool) -> None:
-        """Take what clients sent: new runs join the scheduler, cancels end runs."""
+    def _release_kept(self) -> float | None:
+        """Free the kept prefixes whose time is up and that no pending agent reads; the seconds
+        until the next one is due (None: nothing kept)."""
+        s, now = self.scheduler, self.scheduler.now()
+        for key in [k for k, until in self.kept.items() if until <= now]:
+            del self.kept[key]
+            if key in s.prefixes.refs and not any(a.prefix_key == key and a.state != "done" for a in s.agents.values()):
+                s.prefixes.forget(key)
+        return min(self.kept.values()) - now if self.kept else None
+
+    def _take(self, block: bool, timeout_s: float | None = None) -> None:
+        """Take what clients sent: new runs join the scheduler, cancels end runs (waiting up to
+        `timeout_s` for the first message when `block`)."""
         while True:
             try:
-                message = self._inbox.get(block=block)
+                message = self._inbox.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return
             block = False
@@ -215,13 +230,14 @@ class RunService:
         for run in list(self.runs.values()):
             if not run.ended and all(a.state == "done" for a in run.agents.values()):
                 agents = list(run.agents.values())
-                free_unread_prefixes(s, agents)
+                self._keep(run)
+                free_unread_prefixes(s, agents, self.kept)
                 end = max((a.end_s for a in agents), default=s.now())
                 shared = sum(s.prefixes.computed_for.pop(name, 0) for name in run.agents)
                 run.result = collect(run.workflow, run.agents, run.builders, run.strategy, end - run.start_s,
                                      [], shared, start_s=run.start_s, prefix=run.id + "/")
                 run.ended = True
-            if run.ended and free_unread_prefixes(s, list(run.agents.values())):
+            if run.ended and free_unread_prefixes(s, list(run.agents.values()), self.kept):
                 run.closing = None  # a prefix it asked for arrived since: close again behind its free
             if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
                 run.closing = closing = {r for r in s.queues.replicas if r not in s.dead}
@@ -239,9 +255,17 @@ class RunService:
                     run.result.planning_s, run.result.total_s = run.planning_s, time.perf_counter() - run.called
                 run.handle._end(run.result, run.error)
         if not self.runs:  # nothing pending anywhere: no shared prefix has a reader left
-            s.prefixes.free_all()
+            for key in [k for k in s.prefixes.refs if k not in self.kept]:
+                s.prefixes.forget(key)
             if len(s.events) > 10_000:
                 s.events.clear()
+
+    def _keep(self, run: _Run) -> None:
+        """Its shared prefixes are kept `keep_prefix_s` from now (the longest of every run's keep)."""
+        if run.keep_prefix_s:
+            until = self.scheduler.now() + run.keep_prefix_s
+            for key in {a.prefix_key for a in run.agents.values() if a.prefix_key in self.scheduler.prefixes.refs}:
+                self.kept[key] = max(until, self.kept.get(key, 0.0))
 
     def _on_token(self, name: str, token: int) -> None:
         run = self._owner.get(name)

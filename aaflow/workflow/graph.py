@@ -49,6 +49,8 @@ class AgentNode:
         unordered: the executor may order agent inputs by completion (fan-in).
         strategy: per-agent override of the run's strategy for its incoming edges.
         ignore_eos: generate exactly max_tokens (benchmarks need equal lengths across strategies).
+        history: earlier turns of a conversation, (role, content) pairs with role "user" or
+            "assistant", placed after the system prompt and before this turn (static).
     """
 
     name: str
@@ -62,6 +64,7 @@ class AgentNode:
     unordered: bool = False
     strategy: str | None = None
     ignore_eos: bool = False
+    history: tuple[tuple[str, str], ...] = ()
 
     def inputs(self) -> list[str]:
         return [p.name for p in self.prompt if isinstance(p, Ref)]
@@ -118,8 +121,10 @@ class Workflow:
 
     def agent(self, name: str, model: str, prompt: list, system: str | None = None, max_tokens: int = 64,
               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, unordered: bool = False,
-              strategy: str | None = None, ignore_eos: bool = False) -> Ref:
-        """An agent; `prompt` parts are strings or the handles returned by context/agent/kv-op calls."""
+              strategy: str | None = None, ignore_eos: bool = False, history=()) -> Ref:
+        """An agent; `prompt` parts are strings or the handles returned by context/agent/kv-op calls;
+        `history` earlier turns of its conversation (`{"role", "content"}` dicts or pairs, role
+        "user" or "assistant"), rendered by the model's chat template before this turn."""
         parts = tuple(self._part(name, p) for p in (prompt if isinstance(prompt, (list, tuple)) else [prompt]))
         if not parts:
             raise WorkflowError(f"agent {name!r}: the prompt is empty")
@@ -127,7 +132,7 @@ class Workflow:
         if strategy is not None and strategy not in STRATEGIES:
             raise WorkflowError(f"agent {name!r}: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         node = AgentNode(name, model, parts, system, max_tokens, temperature, top_p, seed, unordered, strategy,
-                         ignore_eos)
+                         ignore_eos, _checked_history(name, history))
         return self._add(node, "agent")
 
     def kv_op(self, name: str, op: str, *inputs: Ref, **options) -> Ref:
@@ -218,6 +223,22 @@ def _check_unicode(owner: str, text: str) -> None:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _checked_history(name: str, history) -> tuple[tuple[str, str], ...]:
+    """`history` as (role, content) pairs; `WorkflowError` naming the first bad turn."""
+    if not isinstance(history, (list, tuple)):
+        raise WorkflowError(f"agent {name!r}: history must be a list of turns, got {type(history).__name__}")
+    turns = []
+    for i, turn in enumerate(history):
+        role, content = (turn.get("role"), turn.get("content")) if isinstance(turn, dict) else (
+            turn if isinstance(turn, (list, tuple)) and len(turn) == 2 else (None, None))
+        if role not in ("user", "assistant") or not isinstance(content, str):
+            raise WorkflowError(f"agent {name!r}: history turn {i} must have role 'user' or 'assistant' and string "
+                                f"content, got {turn!r:.80}")
+        _check_unicode(f"agent {name!r}'s history turn {i}", content)
+        turns.append((role, content))
+    return tuple(turns)
 
 
 def _check_agent_settings(name, model, system, max_tokens, temperature, top_p, seed, unordered, ignore_eos) -> None:

@@ -24,7 +24,7 @@ from aaflow.workflow.graph import Ref, Workflow
 _TOP_KEYS = {"name", "contexts", "agents", "kv_ops"}
 _KVOP_KEYS = {"op", "inputs", "replica", "mode", "r"}
 _AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy",
-               "ignore_eos"}
+               "ignore_eos", "history"}
 
 
 def _unknown(where: str, given: dict, allowed: set[str]) -> None:

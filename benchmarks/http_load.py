@@ -1,0 +1,122 @@
+"""The serving load through `aaflow serve`: each workflow's agents as OpenAI chat requests.
+
+`aaflow bench serve --http` runs the load's workflows against an `aaflow serve` endpoint on the
+deployment, from one asyncio client (the `openai` package's `AsyncOpenAI`): each agent is one
+streaming chat request sent once its inputs have answered, its prompt the text `af.run` renders
+(parts joined by blank lines, an upstream agent's answer as text), with workflow hints
+(`workflow_id`, `agent_id`, `reads`). Rows as `serve_load.run_threads` gives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from benchmarks.baseline_engines import agent_specs
+
+
+def run_http(base_url: str, model: str, workflows: list, offsets: list[float], ignore_eos: bool,
+             hints: bool = True) -> dict:
+    """The load, workflow i sent `offsets[i]` s after the start: {"rows", "wall_s"}."""
+    return asyncio.run(_load(base_url, model, workflows, offsets, ignore_eos, hints))
+
+
+async def _load(base_url, model, workflows, offsets, ignore_eos, hints) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600)
+    specs = agent_specs({wf.name: wf for wf in workflows})
+    begin = time.perf_counter()
+    rows = await asyncio.gather(*(_workflow(client, model, specs[wf.name], wf.name, begin + offset, ignore_eos, hints)
+                                  for wf, offset in zip(workflows, offsets)))
+    await client.close()
+    ends = [r["end_s"] for r in rows if "end_s" in r]
+    return {"rows": rows, "wall_s": (max(ends) if ends else time.perf_counter()) - begin}
+
+
+async def _workflow(client, model: str, agents: list[dict], workflow: str, at: float, ignore_eos: bool,
+                    hints: bool) -> dict:
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    arrived = time.perf_counter()
+    answers: dict[str, asyncio.Future] = {a["name"]: asyncio.get_running_loop().create_future() for a in agents}
+    try:
+        results = await asyncio.gather(*(_agent(client, model, a, answers, workflow, ignore_eos, hints, arrived)
+                                         for a in agents))
+    except Exception as exc:  # noqa: BLE001 - counted and reported
+        return {"error": f"{type(exc).__name__}: {exc}", "latency_s": time.perf_counter() - arrived}
+    ended = time.perf_counter()
+    return {"latency_s": ended - arrived, "end_s": ended, "ttft_s": [r["ttft_s"] for r in results],
+            "generated": sum(r["completion"] for r in results),
+            "prompt_computed": sum(r["prompt"] - r["cached"] for r in results),
+            "prompt_reused": sum(r["cached"] for r in results), "texts": {a["name"]: r["text"]
+                                                                          for a, r in zip(agents, results)}}
+
+
+async def _agent(client, model: str, agent: dict, answers: dict, workflow: str, ignore_eos: bool, hints: bool,
+                 arrived: float) -> dict:
+    reads = [p["ref"] for p in agent["prompt"] if isinstance(p, dict)]
+    try:
+        texts = {name: await answers[name] for name in reads}
+        could_start = time.perf_counter() if reads else arrived
+        user = "\n\n".join(texts[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
+        messages = ([{"role": "system", "content": agent["system"]}] if agent.get("system") else []) + [
+            {"role": "user", "content": user}]
+        extra = {"ignore_eos": ignore_eos}
+        if hints:
+            extra["agent_hints"] = {"workflow_id": workflow, "agent_id": agent["name"], "reads": reads}
+        stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=agent["max_tokens"],
+                                                      temperature=0, stream=True,
+                                                      stream_options={"include_usage": True}, extra_body=extra)
+        pieces, first, usage = [], None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                pieces.append(chunk.choices[0].delta.content)
+            usage = chunk.usage or usage
+        text = "".join(pieces)
+        answers[agent["name"]].set_result(text)
+    except BaseException as exc:
+        if not answers[agent["name"]].done():
+            answers[agent["name"]].set_exception(exc)
+        raise
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return {"text": text, "ttft_s": (first or time.perf_counter()) - could_start, "prompt": usage.prompt_tokens,
+            "cached": cached or 0, "completion": usage.completion_tokens}
+
+
+class HttpEndpoint:
+    """`aaflow serve` on the deployment at `head`, in a process of its own (as a user runs it), on
+    a free loopback port; `clients(ignore_eos)` runs a load through it; `close()` stops it."""
+
+    def __init__(self, head, model: str = "smollm2", timeout_s: float = 120.0) -> None:
+        import subprocess
+        import sys
+        import urllib.request
+
+        from benchmarks.ray_head import REPO, free_ports
+
+        self.model, port = model, free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.proc = subprocess.Popen([sys.executable, "-m", "aaflow.cli", "serve", "--address", head.address,
+                                      "--port", str(port)], env=head.env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.close()
+                    raise RuntimeError(f"aaflow serve did not answer on port {port} within {timeout_s:.0f} s")
+                time.sleep(0.5)
+
+    def clients(self, ignore_eos: bool):
+        """A `clients` function for `serve_load.aaflow_load`."""
+        return lambda _cluster, workflows, offsets, _strategy, _sample: run_http(self.url, self.model, workflows,
+                                                                                 offsets, ignore_eos)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
