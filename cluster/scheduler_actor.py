@@ -20,6 +20,7 @@ from aaflow.runtime.run_handle import RunHandle
 ACTOR_NAME = "scheduler"
 LEASE_S = 30.0  # a run not polled for this long is cancelled: its client is gone
 POLL_WAIT_S = 0.5  # how long a poll waits for news
+QUIET_POLL_WAIT_S = 5.0  # the same for a client that follows no tokens (only the end; well inside LEASE_S)
 
 
 class _Stream:
@@ -50,19 +51,21 @@ class SchedulerActor:
     def ready(self) -> bool:
         return True
 
-    def start(self, workflow, strategy: str, options: dict) -> str:
-        """Check, plan and hand a run to the loop; answers its id."""
+    def start(self, workflow, strategy: str, options: dict, follow: bool = True) -> str:
+        """Check, plan and hand a run to the loop; answers its id. `follow`: its tokens and finished
+        agents are kept for `poll` (a client without callbacks gets only the end: every poll costs
+        CPU in this process, which the scheduling loop shares)."""
         from aaflow.runtime import start_here
 
         stream = _Stream()
+        callbacks = dict(on_token=lambda a, t: stream.put(("token", a, t)),
+                         on_agent=lambda a, text: stream.put(("agent", a, text))) if follow else {}
         with self.planning:  # one run checked and planned at a time (the planner and tokenizers are shared)
-            stream.handle = start_here(workflow, self.cluster, strategy, **options,
-                                       on_token=lambda a, t: stream.put(("token", a, t)),
-                                       on_agent=lambda a, text: stream.put(("agent", a, text)))
+            stream.handle = start_here(workflow, self.cluster, strategy, **options, **callbacks)
         handle = stream.handle
         with self.lock:
             self.streams[handle.run_id] = stream
-        threading.Thread(target=self._when_done, args=(stream,), daemon=True).start()
+        handle.add_done_callback(lambda _: stream.put(("end",)))
         return handle.run_id
 
     def poll(self, run_id: str, wait_s: float = POLL_WAIT_S) -> tuple[list, bool, object]:
@@ -89,10 +92,6 @@ class SchedulerActor:
         stream = self.streams.get(run_id)
         if stream is not None:
             stream.handle.cancel()
-
-    def _when_done(self, stream: _Stream) -> None:
-        stream.handle._ended.wait()
-        stream.put(("end",))
 
     def _expire(self) -> None:
         while True:
@@ -138,6 +137,7 @@ class RemoteRunHandle(RunHandle):
         super().__init__(None, run_id)
         self.actor, self.called = actor, called
         self.on_token, self.on_agent = on_token, on_agent
+        self.wait_s = POLL_WAIT_S if on_token is not None or on_agent is not None else QUIET_POLL_WAIT_S
         threading.Thread(target=self._follow, daemon=True, name=f"aaflow-run-{run_id}").start()
 
     @classmethod
@@ -145,7 +145,8 @@ class RemoteRunHandle(RunHandle):
         import ray
 
         called = time.perf_counter()
-        return cls(actor, ray.get(actor.start.remote(workflow, strategy, options)), on_token, on_agent, called)
+        follow = on_token is not None or on_agent is not None
+        return cls(actor, ray.get(actor.start.remote(workflow, strategy, options, follow)), on_token, on_agent, called)
 
     def cancel(self) -> None:
         if not self.done():
@@ -156,7 +157,7 @@ class RemoteRunHandle(RunHandle):
 
         try:
             while True:
-                items, ended, outcome = ray.get(self.actor.poll.remote(self.run_id))
+                items, ended, outcome = ray.get(self.actor.poll.remote(self.run_id, self.wait_s))
                 for item in items:
                     if item[0] == "token" and self.on_token is not None:
                         self.on_token(item[1], item[2])

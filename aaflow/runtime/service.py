@@ -81,7 +81,6 @@ class RunService:
         self._thread = threading.Thread(target=self._serve, name="aaflow-scheduler", daemon=True)
         self._thread.start()
 
-    # --- clients' side (any thread) ---------------------------------------------------------
     def submit(self, workflow, agents: dict[str, AgentState], builders: dict, eos: dict[str, set[int]],
                strategy: str, events: list[str] | None = None, on_token=None, on_agent=None,
                timeout_s: float | None = None, planning_s: float = 0.0, called: float | None = None,
@@ -104,7 +103,6 @@ class RunService:
         self._inbox.put(("stop",))
         self._thread.join(timeout=30)
 
-    # --- the loop (its own thread) ----------------------------------------------------------
     def _serve(self) -> None:
         s = self.scheduler
         while not self._stopped:

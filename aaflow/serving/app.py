@@ -47,6 +47,8 @@ def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_
 
     @app.exception_handler(af.AAFlowError)
     async def failed(_: Request, exc: af.AAFlowError) -> JSONResponse:
+        if isinstance(exc, (af.WorkflowError, af.PromptError, af.SamplingError, af.InvalidArgumentError)):
+            return _error(400, f"{type(exc).__name__}: {exc}", None)  # the request asked for what cannot be
         return _error(500, f"{type(exc).__name__}: {exc}", None, "server_error")
 
     @app.get("/health")
@@ -63,20 +65,20 @@ def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_
         return Response(metrics.exposition(), media_type=metrics.content_type)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(body: ChatRequest):
         body.refuse_unsupported()
         system, history, user = conversation(body.messages)
-        return await _serve(body, request, system, history, user, chat=True)
+        return await _serve(body, system, history, user, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest):
         body.refuse_unsupported()
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1 or not prompts[0]:
             raise RequestError("prompt must be one non-empty string", "prompt")
-        return await _serve(body, request, None, [], prompts[0], chat=False)
+        return await _serve(body, None, [], prompts[0], chat=False)
 
-    async def _serve(body, request: Request, system, history, user: str, chat: bool):
+    async def _serve(body, system, history, user: str, chat: bool):
         if body.model not in cluster.models:
             raise RequestError(f"model {body.model!r} is not served here; GET /v1/models lists "
                                f"{sorted(cluster.models)}", "model", status=404)
@@ -84,21 +86,20 @@ def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_
         run = request_run(body.model, system, history, user, sampling_options(body, default_max_tokens),
                           body.agent_hints, hinted, request_id)
         reply = _Reply(request_id, body.model, chat, created=int(time.time()))
-        if body.stream:
-            return StreamingResponse(_stream(run, body, request, reply), media_type="text/event-stream")
         began = time.perf_counter()
+        if body.stream:  # started here: a run refused at its start is an HTTP error, not a broken stream
+            loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
+            handle = await run_in_threadpool(lambda: af.start(
+                run.workflow, cluster, strategy=run.strategy, on_token=lambda _, t: loop.call_soon_threadsafe(
+                    tokens.put_nowait, t), **run.options))
+            return StreamingResponse(_stream(run, body, handle, tokens, reply, began), media_type="text/event-stream")
         handle = await run_in_threadpool(lambda: af.start(run.workflow, cluster, strategy=run.strategy, **run.options))
         answer = (await _ended(handle)).agents[run.agent]
         metrics.finished(answer, time.perf_counter() - began)
         return reply.whole(answer, run.max_tokens)
 
-    async def _stream(run: RequestRun, body, request: Request, reply: "_Reply"):
-        loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
+    async def _stream(run: RequestRun, body, handle, tokens: asyncio.Queue, reply: "_Reply", began: float):
         text = IncrementalText(tokenizers[body.model])
-        began = time.perf_counter()
-        handle = await run_in_threadpool(lambda: af.start(
-            run.workflow, cluster, strategy=run.strategy, on_token=lambda _, t: loop.call_soon_threadsafe(
-                tokens.put_nowait, t), **run.options))
         waiting = asyncio.ensure_future(_ended(handle))
         first = None
         try:
