@@ -4,7 +4,8 @@ One row per shape of each `docs/results/serve*.json`: the CPU kind, the load, th
 sides' medians (throughput, p50 / p99 latency, prompt tokens computed) and the verdict against the
 serving targets: a burst over shared documents >= 1.2x vLLM's throughput with p50 and p99 no
 higher; a memory-pressured burst (as many documents as workflows) >= 1.5x; Poisson arrivals
-p99 <= vLLM's. Runs of fewer than three repeats decide nothing.
+p99 <= vLLM's; the HTTP endpoint (`--http`) within 15% of `af.submit`'s throughput on the same
+deployment. Runs of fewer than three repeats decide nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 
 BEGIN, END = "<!-- SERVE:BEGIN (aaflow report) -->", "<!-- SERVE:END -->"
-BURST_TARGET, PRESSURED_TARGET = 1.2, 1.5
+BURST_TARGET, PRESSURED_TARGET, HTTP_TARGET = 1.2, 1.5, 0.85
 HEADER = ("| run | CPU kind | load | clients | aaflow wf/min (p50 / p99) | vLLM wf/min (p50 / p99) | "
           "throughput ratio | prompt tokens computed (aaflow / vLLM) | verdict |\n|---|---|---|---|---|---|---|---|---|")
 
@@ -21,11 +22,13 @@ HEADER = ("| run | CPU kind | load | clients | aaflow wf/min (p50 / p99) | vLLM 
 def verdict(shape: str, settings: dict, row: dict) -> str:
     """'met' or 'missed (...)' against the serving target of the shape; a run of fewer than three
     repeats decides nothing ('indicative')."""
-    ratio = row.get("throughput_ratio")
-    if ratio is None:
+    ratio, http = row.get("throughput_ratio"), row.get("http_throughput_ratio")
+    if ratio is None and http is None:
         return "n/a (no vLLM side)"
     if settings.get("repeats", 0) < 3:
         return f"indicative ({settings.get('repeats')} repeat(s): medians of 3 decide)"
+    if ratio is None:
+        return f"HTTP {http:.2f}x af.submit: " + ("met" if http >= HTTP_TARGET else f"missed (< {HTTP_TARGET}x)")
     p50, p99 = row.get("latency_p50_s_ratio"), row.get("latency_p99_s_ratio")
     if shape.startswith("poisson"):
         return "met" if p99 is not None and p99 <= 1 else "missed (p99)"
@@ -50,6 +53,8 @@ def rows(path: Path) -> list[str]:
     load = (f"{settings.get('workflows')} wf over {settings.get('documents')} docs of {settings.get('doc_tokens')} "
             f"tok, KV {settings.get('kv_cache_bytes') or 'default'}, {settings.get('dtype')}")
     clients = f"{settings['processes']} processes" if settings.get("processes") else "threads"
+    if settings.get("http"):
+        clients += " (af.submit) and HTTP"
     out = []
     for shape, row in report.get("shapes", {}).items():
         a, v = row.get("aaflow"), row.get("vllm")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -22,6 +23,7 @@ MAX_TOKENS = 16
 def _example():
     spec = importlib.util.spec_from_file_location("langgraph_research", REPO / "examples" / "langgraph_research.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # LangGraph reads the state's type hints through it
     spec.loader.exec_module(module)
     return module
 

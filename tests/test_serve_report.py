@@ -25,6 +25,8 @@ def test_verdicts_follow_the_targets_of_each_shape():
     assert verdict("poisson-2/s", BURST, _row(1.5, p99=1.01)) == "missed (p99)"
     assert verdict("burst", BURST, {}) == "n/a (no vLLM side)"
     assert verdict("burst", {**BURST, "repeats": 1}, _row(1.6)).startswith("indicative")
+    assert verdict("burst", BURST, {"http_throughput_ratio": 0.9}) == "HTTP 0.90x af.submit: met"
+    assert verdict("burst", BURST, {"http_throughput_ratio": 0.8}) == "HTTP 0.80x af.submit: missed (< 0.85x)"
 
 
 def test_the_table_is_written_between_its_markers(tmp_path):

@@ -209,3 +209,24 @@ def test_a_run_dropped_while_its_prompt_is_in_flight_stays_ended(tiny_llama_dir)
     assert all(a.dropped and not a.output for a in ended.values())
     assert all(a.state == "done" and len(a.output) == a.result.decoded for a in going.values())
     assert not any(scheduler.decoding.values())
+
+
+def test_keep_prefix_s_keeps_a_shared_prefix_for_the_next_run_then_frees_it(one_replica):
+    """A run's shared prefix (transfer: materialized once, forked) stays after it ends for
+    `keep_prefix_s`; a run in that window forks it (nothing of it computed again); then it goes."""
+    import ray
+
+    cluster, model = one_replica
+    replica = cluster.replicas()[0]
+    ray.get(replica.actor.clear_prefix_cache.remote())
+    first = af.run(fan_out(model), cluster, strategy="transfer", keep_prefix_s=3.0)
+    assert ray.get(replica.actor.stats.remote())["refs"] == 1, "the shared prefix was freed at the run's end"
+    again = af.run(fan_out(model), cluster, strategy="transfer")
+    assert again.metrics["shared_prefill_computed"] == 0 < first.metrics["shared_prefill_computed"]
+    assert {n: a.token_ids for n, a in again.agents.items()} == {n: a.token_ids for n, a in first.agents.items()}
+    deadline = time.time() + 10
+    while ray.get(replica.actor.stats.remote())["refs"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert_no_kv_left(cluster)
+    with pytest.raises(af.InvalidArgumentError, match="keep_prefix_s"):
+        af.start(fan_out(model), cluster, keep_prefix_s=-1)

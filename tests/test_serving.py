@@ -6,6 +6,7 @@ workflow hints."""
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -120,7 +121,7 @@ def _fan_out(client, model: str, doc: str, hints: bool) -> list:
     """A 1 -> 6 fan-out as 7 chat requests: a planner over the document, then six readers of the
     document and its answer, sent at once. The seven replies."""
     def hint(agent: str, reads=()) -> dict:
-        return {"agent_hints": {"workflow_id": doc[:12], "agent_id": agent, "reads": list(reads), "ttl_s": 5,
+        return {"agent_hints": {"workflow_id": doc[:12], "agent_id": agent, "reads": list(reads), "ttl_s": 2,
                                 "priority": "ignored"}} if hints else {}
 
     plan = _chat(client, model, f"{doc}\n\nPlan six questions about this document.", extra_body=hint("plan"))
@@ -153,3 +154,36 @@ def test_with_workflow_hints_every_reader_forks_the_document(served):
     lead = prompt_tokens(doc) - prompt_tokens("x")  # the document's tokens
     assert all(r.usage.prompt_tokens_details.cached_tokens >= lead for r in replies[1:]), \
         [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    import ray
+
+    held = lambda: sum(ray.get(r.actor.stats.remote())["refs"] for r in cluster.replicas())  # noqa: E731
+    assert held() >= 1  # kept for ttl_s after the readers ended
+    deadline = time.time() + 20
+    while held() and time.time() < deadline:
+        time.sleep(0.2)
+    assert held() == 0, "the document was kept past its ttl_s"
+
+
+def test_a_request_becomes_one_agent_and_hints_make_the_shared_lead_a_context():
+    from aaflow.serving.requests import AgentHintsBody, Message, conversation
+    from aaflow.serving.workflows import HintedWorkflows, request_run
+    from aaflow.workflow.graph import ContextNode
+
+    system, history, user = conversation([Message(role="system", content="S"), Message(role="user", content="u1"),
+                                          Message(role="assistant", content=[{"type": "text", "text": "a1"}]),
+                                          Message(role="user", content="u2")])
+    assert (system, history, user) == ("S", [("user", "u1"), ("assistant", "a1")], "u2")
+    sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "seed": None, "ignore_eos": False}
+    remembered = HintedWorkflows()
+    plain = request_run("m", None, [], "Doc.\n\nQuestion?", sampling, None, remembered, "1")
+    assert plain.strategy == "text" and plain.workflow.nodes["answer"].prompt == ("Doc.", "Question?")
+    hints = AgentHintsBody(workflow_id="w", agent_id="a", ttl_s=9)
+    first = request_run("m", None, [], "Doc.\n\nPlan.", sampling, hints, remembered, "2")
+    assert first.strategy == "text" and first.options == {"keep_prefix_s": 9}
+    assert not any(isinstance(n, ContextNode) for n in first.workflow.nodes.values())  # nothing to share yet
+    reader = request_run("m", None, [], "Doc.\n\nPlan: x\n\nQ1?", sampling, hints.model_copy(update={"agent_id": "b"}),
+                         remembered, "3")
+    contexts = [n for n in reader.workflow.nodes.values() if isinstance(n, ContextNode)]
+    assert [c.text for c in contexts] == ["Doc."] and reader.agent == "b" and reader.strategy == "transfer"
+    with pytest.raises(af.WorkflowError):
+        af.Workflow("x").agent("a", "m", ["hi"], history=[{"role": "tool", "content": "x"}])

@@ -27,7 +27,10 @@ class AAFlowChat(ChatOpenAI):
     """The workflow a call belongs to when its graph run names no thread."""
     ttl_s: float | None = None
     """Keep a workflow's shared document this long after each call (the `ttl_s` hint)."""
-    api_key: Any = Field(default="none")  # an aaflow endpoint asks for no key
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("api_key", "none")  # an aaflow endpoint asks for no key
+        super().__init__(**kwargs)
 
     def hints(self, metadata: dict) -> dict:
         """`agent_hints` for a call made with this LangChain run metadata ({} outside a graph)."""

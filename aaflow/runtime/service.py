@@ -106,8 +106,9 @@ class RunService:
     def _serve(self) -> None:
         s = self.scheduler
         while not self._stopped:
+            due_s = self._release_kept()  # frees queue their calls: then the loop is not idle
             idle = not s.unfinished and not s.queues.inflight and not self._queued()
-            self._take(block=idle, timeout_s=self._release_kept() if idle else None)
+            self._take(block=idle, timeout_s=due_s)
             if self._stopped:
                 break
             try:

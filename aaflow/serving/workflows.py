@@ -11,7 +11,8 @@ agents all read) gets those paragraphs as a context of its own: the agent's stat
 the chat header and that document, which the scheduler materializes once and forks for every
 agent that reads it, moves (or recomputes, as the cost model says) to another replica, keeps while
 agents that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`). Such
-requests run under `auto` (the planner's choice per agent).
+requests run under `transfer` (the planner, seeing a one-agent workflow, would not share a prefix
+with requests it cannot see); the others under `text`.
 
 `reads` (the agents whose answers the prompt holds) is accepted and not used yet: by the time a
 client sends a reader's request it has the answer as text, so there is nothing left to stream into
@@ -95,7 +96,7 @@ def request_run(model: str, system: str | None, history: list[tuple[str, str]], 
         if lead and all(paragraphs):
             shared = len(lead.split(PARAGRAPH))
             parts = [wf.context(f"lead{i}:{agent}", p) for i, p in enumerate(paragraphs[:shared])] + paragraphs[shared:]
-        strategy = "auto"
+            strategy = "transfer"
         if hints.ttl_s:
             options["keep_prefix_s"] = hints.ttl_s
     try:
