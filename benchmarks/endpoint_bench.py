@@ -35,7 +35,7 @@ def run(args) -> dict:
     server = BackgroundServer(serving_app(cluster), port=free_ports(1)[0])
 
     def computed() -> int:
-        return sum(ray.get(r.actor.info.remote())["tokens_computed"] for r in cluster.replicas())
+        return sum(ray.get(r.actor.stats.remote())["tokens_computed"] for r in cluster.replicas())
 
     def once(side: str, tag: str) -> dict:
         wf = fan_out_workflow(context_text(args.doc_tokens, 71), 6, args.max_tokens)
