@@ -180,7 +180,8 @@ def test_a_request_becomes_one_agent_and_hints_make_the_shared_lead_a_context():
     hints = AgentHintsBody(workflow_id="w", agent_id="a", ttl_s=9)
     first = request_run("m", None, [], "Doc.\n\nPlan.", sampling, hints, remembered, "2")
     assert first.strategy == "text" and first.options == {"keep_prefix_s": 9}
-    assert not any(isinstance(n, ContextNode) for n in first.workflow.nodes.values())  # nothing to share yet
+    first_contexts = [n.text for n in first.workflow.nodes.values() if isinstance(n, ContextNode)]
+    assert first_contexts == ["Doc."]  # all but its last paragraph: the prefix its readers will share
     reader = request_run("m", None, [], "Doc.\n\nPlan: x\n\nQ1?", sampling, hints.model_copy(update={"agent_id": "b"}),
                          remembered, "3")
     contexts = [n for n in reader.workflow.nodes.values() if isinstance(n, ContextNode)]

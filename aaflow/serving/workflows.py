@@ -93,10 +93,13 @@ def request_run(model: str, system: str | None, history: list[tuple[str, str]], 
     if hints is not None and hints.workflow_id:
         agent = hints.agent_id or agent
         lead = remembered.shared_lead(hints.workflow_id, user)
-        if lead and all(paragraphs):
-            shared = len(lead.split(PARAGRAPH))
+        if all(paragraphs) and (lead or len(paragraphs) > 1):
+            # a later request: the shared paragraphs; the first: all but its last (its document, as
+            # far as it can tell), so that its prefix has the readers' identity and placement sends
+            # them where its prefix cache holds it
+            shared = len(lead.split(PARAGRAPH)) if lead else len(paragraphs) - 1
             parts = [wf.context(f"lead{i}:{agent}", p) for i, p in enumerate(paragraphs[:shared])] + paragraphs[shared:]
-            strategy = "transfer"
+            strategy = "transfer" if lead else "text"
         if hints.ttl_s:
             options["keep_prefix_s"] = hints.ttl_s
     try:
