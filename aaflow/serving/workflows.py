@@ -9,7 +9,7 @@ With `agent_hints.workflow_id`, the endpoint remembers the workflow's first requ
 request of the same workflow whose user message starts with the same paragraphs (a document its
 agents all read) gets those paragraphs as a context of its own: the agent's static prefix is then
 the chat header and that document, which the scheduler materializes once and forks for every
-agent that reads it, moves (or recomputes, as the cost model says) to another replica, keeps while
+agent that reads it, moves to another replica that needs it, keeps while
 agents that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`). Such
 requests run under `transfer` (the planner, seeing a one-agent workflow, would not share a prefix
 with requests it cannot see); the others under `text`.
