@@ -32,11 +32,12 @@ from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workf
 
 
 def summarize(rows: list[dict], wall_s: float) -> dict:
-    """Throughput and latency figures of one load's per-workflow rows."""
+    """Throughput and latency figures of one load's per-workflow rows (each workflow's latency kept)."""
     done = [r for r in rows if r and "error" not in r]
     lat = [r["latency_s"] for r in done]
     ttft = [t for r in done for t in r.get("ttft_s", [])]
     out = {"completed": len(done), "failed": [r["error"] for r in rows if r and "error" in r], "wall_s": wall_s,
+           "latencies_s": [r.get("latency_s") if r else None for r in rows],  # in workflow order: find the tail
            "workflows_per_min": 60 * len(done) / wall_s if wall_s else 0.0,
            "generated_tokens": sum(r.get("generated", 0) for r in done),
            "prompt_computed": sum(r.get("prompt_computed", 0) for r in done),
