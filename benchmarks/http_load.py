@@ -84,6 +84,24 @@ async def _agent(client, model: str, agent: dict, answers: dict, workflow: str, 
             "cached": cached or 0, "completion": usage.completion_tokens}
 
 
+def wait_until_serving(proc, port: int, timeout_s: float = 120.0) -> None:
+    """Until `aaflow serve` (the process `proc`) answers `/health` on loopback `port`; RuntimeError,
+    with what it printed, if it exits first or `timeout_s` passes."""
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                printed = proc.stdout.read() if proc.stdout and proc.poll() is not None else ""
+                raise RuntimeError(f"aaflow serve did not answer on port {port} within {timeout_s:.0f} s "
+                                   f"(exit {proc.poll()}): {printed[-3000:]}")
+            time.sleep(0.5)
+
+
 class HttpEndpoint:
     """`aaflow serve` on the deployment at `head`, in a process of its own (as a user runs it), on
     a free loopback port; `clients(ignore_eos)` runs a load through it; `close()` stops it."""
@@ -91,7 +109,6 @@ class HttpEndpoint:
     def __init__(self, head, model: str = "smollm2", timeout_s: float = 120.0) -> None:
         import subprocess
         import sys
-        import urllib.request
 
         from benchmarks.ray_head import REPO, free_ports
 
@@ -100,16 +117,11 @@ class HttpEndpoint:
         self.proc = subprocess.Popen([sys.executable, "-m", "aaflow.cli", "serve", "--address", head.address,
                                       "--port", str(port)], env=head.env, cwd=REPO, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
-        deadline = time.time() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.time() > deadline:
-                    self.close()
-                    raise RuntimeError(f"aaflow serve did not answer on port {port} within {timeout_s:.0f} s")
-                time.sleep(0.5)
+        try:
+            wait_until_serving(self.proc, port, timeout_s)
+        except RuntimeError:
+            self.close()
+            raise
 
     def clients(self, ignore_eos: bool):
         """A `clients` function for `serve_load.aaflow_load`."""

@@ -137,7 +137,7 @@ class RemoteRunHandle(RunHandle):
         super().__init__(None, run_id)
         self.actor, self.called = actor, called
         self.on_token, self.on_agent = on_token, on_agent
-        self.wait_s = POLL_WAIT_S if on_token is not None or on_agent is not None else QUIET_POLL_WAIT_S
+        self.wait_s = POLL_WAIT_S if _follows(on_token, on_agent) else QUIET_POLL_WAIT_S
         threading.Thread(target=self._follow, daemon=True, name=f"aaflow-run-{run_id}").start()
 
     @classmethod
@@ -145,8 +145,8 @@ class RemoteRunHandle(RunHandle):
         import ray
 
         called = time.perf_counter()
-        follow = on_token is not None or on_agent is not None
-        return cls(actor, ray.get(actor.start.remote(workflow, strategy, options, follow)), on_token, on_agent, called)
+        run_id = ray.get(actor.start.remote(workflow, strategy, options, _follows(on_token, on_agent)))
+        return cls(actor, run_id, on_token, on_agent, called)
 
     def cancel(self) -> None:
         if not self.done():
@@ -174,3 +174,8 @@ class RemoteRunHandle(RunHandle):
         else:
             outcome.total_s = time.perf_counter() - self.called
             self._end(outcome, None)
+
+
+def _follows(on_token, on_agent) -> bool:
+    """A client with callbacks follows its run's tokens and agents; one without waits for the end."""
+    return on_token is not None or on_agent is not None

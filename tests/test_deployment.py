@@ -188,6 +188,7 @@ def readme_serve_blocks() -> tuple[str, str]:
 def test_readme_serve_example_runs_as_written(head, deployment, model):
     """`aaflow serve` on the deployment, then the README's `openai` client (this head's port, the
     tiny model, a free HTTP port)."""
+    from benchmarks.http_load import wait_until_serving
     from benchmarks.ray_head import free_ports
 
     command, client = readme_serve_blocks()
@@ -197,14 +198,7 @@ def test_readme_serve_example_runs_as_written(head, deployment, model):
     server = subprocess.Popen([sys.executable, "-m", "aaflow.cli", *args], env=head.env, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None and time.time() < deadline, server.stdout.read() if server.poll() else "late"
-                time.sleep(0.5)
+        wait_until_serving(server, port)
         script = client.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace('"smollm2"', json.dumps(model))
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]

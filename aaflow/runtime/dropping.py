@@ -54,8 +54,15 @@ def free_unread_prefixes(scheduler: Scheduler, agents: list[AgentState], kept=()
     """A run ended: free the shared prefixes its agents forked that no unfinished agent of any run
     will read (a prefix that another run's pending agents read stays: it is computed once), but
     those in `kept`. Answers how many it freed."""
+    keys = {a.prefix_key for a in agents if a.prefix_key not in kept}
+    return free_unread(scheduler, keys)
+
+
+def free_unread(scheduler: Scheduler, keys: set) -> int:
+    """Free the shared prefixes of `keys` that are held, that no unfinished agent of any run will
+    read and that nothing is on its way for. Answers how many it freed."""
     s = scheduler
-    keys = {a.prefix_key for a in agents if a.prefix_key in s.prefixes.refs and a.prefix_key not in kept}
+    keys = {k for k in keys if k in s.prefixes.refs}
     if not keys:
         return 0
     pending = {a.prefix_key for a in s.agents.values() if a.state != "done" and a.prefix_key in keys}

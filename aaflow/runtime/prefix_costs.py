@@ -61,8 +61,8 @@ class PrefixCosts:
     def compute_here(self, model: str, tokens: int, holder_ready_in_s: float) -> bool:
         """Whether computing a prefix of `tokens` here ends before the holder has it
         (`holder_ready_in_s` from now: 0 when it holds it already) and moves it here, by more than
-        `SOONER_BY`. A holder
-        still computing shares the machine with this computation, which then runs slower."""
+        `SOONER_BY`. A holder still computing shares the machine with this computation, which then
+        runs slower."""
         if model not in self.compute or tokens <= 0:
             return False
         slowdown = self.concurrency_slowdown if holder_ready_in_s > 0 else 1.0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from aaflow.errors import AAFlowError
 from aaflow.runtime.agent_state import AgentState, namespaced
 from aaflow.runtime.calls import CloseCall
-from aaflow.runtime.dropping import drop, free_unread_prefixes
+from aaflow.runtime.dropping import drop, free_unread, free_unread_prefixes
 from aaflow.runtime.executor import collect
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
 from aaflow.runtime.recovery import AgentFailedError
@@ -163,11 +163,11 @@ class RunService:
     def _release_kept(self) -> float | None:
         """Free the kept prefixes whose time is up and that no pending agent reads; the seconds
         until the next one is due (None: nothing kept)."""
-        s, now = self.scheduler, self.scheduler.now()
-        for key in [k for k, until in self.kept.items() if until <= now]:
+        now = self.scheduler.now()
+        due = {k for k, until in self.kept.items() if until <= now}
+        for key in due:
             del self.kept[key]
-            if key in s.prefixes.refs and not any(a.prefix_key == key and a.state != "done" for a in s.agents.values()):
-                s.prefixes.forget(key)
+        free_unread(self.scheduler, due)
         return min(self.kept.values()) - now if self.kept else None
 
     def _take(self, block: bool, timeout_s: float | None = None) -> None:

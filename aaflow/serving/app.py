@@ -87,13 +87,13 @@ def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_
                           body.agent_hints, hinted, request_id)
         reply = _Reply(request_id, body.model, chat, created=int(time.time()))
         began = time.perf_counter()
-        if body.stream:  # started here: a run refused at its start is an HTTP error, not a broken stream
-            loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
-            handle = await run_in_threadpool(lambda: af.start(
-                run.workflow, cluster, strategy=run.strategy, on_token=lambda _, t: loop.call_soon_threadsafe(
-                    tokens.put_nowait, t), **run.options))
+        loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
+        on_token = (lambda _, t: loop.call_soon_threadsafe(tokens.put_nowait, t)) if body.stream else None
+        # started here, streaming or not: a run refused at its start is an HTTP error, not a broken stream
+        handle = await run_in_threadpool(lambda: af.start(run.workflow, cluster, strategy=run.strategy,
+                                                          on_token=on_token, **run.options))
+        if body.stream:
             return StreamingResponse(_stream(run, body, handle, tokens, reply, began), media_type="text/event-stream")
-        handle = await run_in_threadpool(lambda: af.start(run.workflow, cluster, strategy=run.strategy, **run.options))
         answer = (await _ended(handle)).agents[run.agent]
         metrics.finished(answer, time.perf_counter() - began)
         return reply.whole(answer, run.max_tokens)
