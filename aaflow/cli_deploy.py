@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from cluster.scheduler_actor import LEASE_S
+
 ADDRESS_HELP = "the Ray cluster (`ray start --head` prints it, e.g. 127.0.0.1:6379); default: RAY_ADDRESS"
 STRATEGIES = ["auto", "text", "recompute", "transfer", "stream", "transfer+stream"]
 
@@ -26,7 +28,7 @@ def _up(args) -> int:
     engine, engines = parse_engines(args.engine)
     options = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
     cluster = up(parse_replicas(args.replicas or ["smollm2=2"]), address=args.address, dtype=args.dtype,
-                 engine=engine, engines=engines, **options)
+                 engine=engine, engines=engines, client_lease_s=args.client_lease_s, **options)
     try:
         for r in cluster.replicas():
             print(f"{r.name}: {r.model} ({r.engine}, {r.cpus:g} CPU, {cluster.info[r.name]['dtype']})")
@@ -99,6 +101,8 @@ def add_deploy_commands(sub) -> None:
     up.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE", help="builtin (default) or vllm")
     up.add_argument("--kv-cache-bytes", default=None, metavar="SIZE",
                     help="each built-in replica's KV pool, e.g. 2GiB (default: 10%% of memory shared by the replicas)")
+    up.add_argument("--client-lease-s", type=float, default=LEASE_S, metavar="S",
+                    help="a client process not heard from this long is gone: its runs are cancelled (default %(default)g)")
     up.set_defaults(func=_up)
 
     st = sub.add_parser("status", help="a deployment's replicas: cores, KV held / pinned / evictable, queue depth")

@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import time
 
-from aaflow.errors import DeploymentError
+from aaflow.errors import DeploymentError, InvalidArgumentError
 from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster, ReplicaHandle
-from cluster.scheduler_actor import find_scheduler, start_scheduler
+from cluster.scheduler_actor import LEASE_S, find_scheduler, start_scheduler
 from cluster.ray_auth import auth_hint, with_token_auth
 
 RECORD_NAME = "deployment"
@@ -98,11 +98,16 @@ def _record(address: str | None):
     return record, ray.get(record.get.remote()), owns
 
 
-def up(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:
+def up(replicas: dict[str, int], address: str | None = None, client_lease_s: float = LEASE_S, **kwargs) -> Cluster:
     """Start a deployment on the Ray cluster at `address` (or RAY_ADDRESS): `replicas` =
-    {model: count}, detached, plus the record that `af.connect` reads. Keyword arguments go to
-    `Cluster` (dtype, engine / engines, kv_cache_bytes, ...). Returns the deployment's cluster; its
-    `shutdown()` disconnects, `af.down` removes it. Raises `DeploymentError` if one already runs."""
+    {model: count}, detached, plus the record that `af.connect` reads. A client process not heard
+    from for `client_lease_s` seconds is gone: its runs are cancelled and their KV freed. Keyword
+    arguments go to `Cluster` (dtype, engine / engines, kv_cache_bytes, ...). Returns the
+    deployment's cluster; its `shutdown()` disconnects, `af.down` removes it. Raises
+    `DeploymentError` if one already runs, `InvalidArgumentError` for a lease that is not a
+    positive number of seconds."""
+    if not (isinstance(client_lease_s, (int, float)) and 0 < client_lease_s < float("inf")):
+        raise InvalidArgumentError(f"client_lease_s must be a positive number of seconds, got {client_lease_s!r}")
     import ray
 
     address, owns = _join(address)
@@ -123,7 +128,7 @@ def up(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluste
             ray.shutdown()
         raise
     try:
-        scheduler = start_scheduler(cluster.replicas(), cluster.info)
+        scheduler = start_scheduler(cluster.replicas(), cluster.info, client_lease_s)
     except BaseException:
         cluster.terminate()
         ray.kill(record)

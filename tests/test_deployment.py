@@ -18,6 +18,8 @@ import pytest
 import aaflow as af
 from benchmarks.ray_head import REPO, start_head
 
+LEASE_S = 6.0  # the deployment's client lease: a killed client's runs go within seconds
+
 DOC = ("Paged attention stores the KV cache in fixed-size blocks, so that sequences share blocks "
        "copy-on-write and a prefix computed once serves every later request that starts with it. ") * 2
 QUESTIONS = {"summary": "Summarize the document in one line.", "questions": "Ask two questions about it."}
@@ -136,7 +138,8 @@ def test_readme_deploy_example_runs_as_written_with_ray_jobs(head, model, tmp_pa
 
 @pytest.fixture(scope="module")
 def deployment(head, model):
-    cli(head, "up", "--address", head.address, "--replicas", f"{model}=2", "--dtype", "float32", "--kv-cache-bytes", "1MiB")
+    cli(head, "up", "--address", head.address, "--replicas", f"{model}=2", "--dtype", "float32", "--kv-cache-bytes", "1MiB",
+        "--client-lease-s", str(LEASE_S))
     cluster = af.connect(head.address)
     yield cluster
     cluster.shutdown()
@@ -174,6 +177,54 @@ def test_two_clients_at_once_share_the_document_kv(head, deployment, model, tmp_
     assert reused[0][0] < doc <= reused[1][0], f"one client computes the document, the other reuses it: {reused}"
     later = af.submit(paths["summary"], deployment, strategy="recompute")
     assert later.metrics["prefill_reused"] >= doc and later["summary"].token_ids == results["summary"]["tokens"]["summary"]
+
+
+LONG_CHAIN_CLIENT = """
+import sys, threading
+import aaflow as af
+cluster = af.connect(sys.argv[1])
+wf = af.Workflow("long-chain")  # 400 agents of 100 tokens each, one after the other: minutes of decoding
+previous = wf.agent("a0", sys.argv[2], ["Tell a long story."], max_tokens=100, ignore_eos=True)
+for i in range(1, 400):
+    previous = wf.agent(f"a{i}", sys.argv[2], [previous, "Go on."], max_tokens=100, ignore_eos=True)
+started = threading.Event()
+handle = af.start(wf, cluster, strategy="text", on_token=lambda agent, tok: started.set())
+started.wait(120)
+print("decoding", flush=True)
+threading.Event().wait()  # until killed
+"""
+
+
+def test_a_killed_client_process_has_its_runs_cancelled_and_kv_freed(head, deployment, model):
+    """A client process that dies mid-run stops polling: after the lease its run is cancelled (the
+    replicas stop working on it), every replica holds no session and no more KV than before, and the
+    deployment serves the next client."""
+    held = sum(r["kv_bytes_held"] for r in af.status(deployment))
+    client = subprocess.Popen([sys.executable, "-c", LONG_CHAIN_CLIENT, head.address, model], env=head.env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = []  # Ray's own log lines come first
+        while not said or said[-1] not in ("decoding\n", ""):
+            said.append(client.stdout.readline())
+        assert said[-1] == "decoding\n", "".join(said)[-3000:]
+        assert sum(row["queue_depth"] for row in af.status(deployment)) >= 1
+    finally:
+        client.kill()
+        client.wait(timeout=30)
+    deadline = time.monotonic() + 4 * LEASE_S
+    rows = af.status(deployment)
+    while time.monotonic() < deadline and any(r["queue_depth"] for r in rows):
+        time.sleep(0.5)
+        rows = af.status(deployment)
+    assert all(r["queue_depth"] == 0 for r in rows), f"the dead client's run still has sessions: {rows}"
+    time.sleep(1.0)
+    later = af.status(deployment)
+    busy = [(r["busy_s"], r["calls"]) for r in rows], [(r["busy_s"], r["calls"]) for r in later]
+    assert busy[0] == busy[1], f"the replicas still work on the dead client's run: {busy}"
+    assert sum(r["kv_bytes_held"] for r in later) <= held, later
+    wf = af.Workflow("after")
+    wf.agent("z", model, ["Still serving?"], max_tokens=4, ignore_eos=True)
+    assert len(af.run(wf, deployment, strategy="text")["z"].token_ids) == 4
 
 
 def readme_serve_blocks() -> tuple[str, str]:

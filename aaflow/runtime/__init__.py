@@ -129,7 +129,7 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
                    lend_cores=lend_cores, timeout_s=timeout_s, keep_prefix_s=keep_prefix_s)
     remote = getattr(cluster, "scheduler", None)
     if remote is not None:  # a deployment's loop, in its actor
-        from cluster.scheduler_actor import RemoteRunHandle
+        from cluster.remote_runs import RemoteRunHandle
 
         return RemoteRunHandle.start(remote, workflow, strategy, on_token, on_agent, options)
     return start_here(workflow, cluster, strategy, on_token=on_token, on_agent=on_agent, **options)
