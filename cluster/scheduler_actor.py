@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 
-
 ACTOR_NAME = "scheduler"
 LEASE_S = 30.0  # a client not heard from for this long is gone: its runs are cancelled
 POLL_WAIT_S = 5.0  # how long a poll waits for news (well inside LEASE_S)
