@@ -70,11 +70,11 @@ class RayHead:
                 time.sleep(0.2)
 
 
-def start_head(temp_dir: Path, num_cpus: int = 2, timeout_s: float = 120.0) -> RayHead:
-    """Start a head node with the dashboard (Ray Jobs) and the metrics export on loopback ports;
-    raises RuntimeError with its output when it does not start."""
+def start_head(temp_dir: Path, num_cpus: int = 2, timeout_s: float = 120.0, env: dict | None = None) -> RayHead:
+    """Start a head node with the dashboard (Ray Jobs) and the metrics export on loopback ports,
+    in `env` (default `client_env()`); raises RuntimeError with its output when it does not start."""
     gcs, dash, metrics, agent, agent_grpc, client, runtime_env = free_ports(7)
-    env = client_env()
+    env = client_env() if env is None else env
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--metrics-export-port={metrics}",
            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",

@@ -21,7 +21,7 @@ import time
 from aaflow.errors import DeploymentError, InvalidArgumentError
 from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster, ReplicaHandle
 from cluster.scheduler_actor import LEASE_S, find_scheduler, start_scheduler
-from cluster.ray_auth import auth_hint, with_token_auth
+from cluster.ray_auth import auth_hint, enable_here
 
 RECORD_NAME = "deployment"
 
@@ -73,7 +73,7 @@ def _join(address: str | None) -> tuple[str, bool]:
     _check_listening(address)
     owns = not ray.is_initialized()
     if owns:
-        with_token_auth(os.environ)  # a head started where a token exists wants it (cluster/ray_auth.py)
+        enable_here()  # a head started where a token exists wants it (cluster/ray_auth.py)
     try:
         start_ray(address=address)
     except (ConnectionError, RuntimeError) as exc:

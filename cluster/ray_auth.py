@@ -27,6 +27,16 @@ def with_token_auth(env: dict) -> dict:
     return env
 
 
+def enable_here() -> None:
+    """Token authentication for this process where a token exists and no mode is chosen, as Ray's
+    own `ray start` decides it for a head. Ray caches its auth mode when it is imported: setting
+    RAY_AUTH_MODE in `os.environ` afterwards is not seen unless its config is refreshed, which Ray's
+    helper does (the `aaflow` commands import Ray before they join a cluster)."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def auth_hint(error: BaseException) -> str:
     """What to do about an authentication failure joining a cluster ('' for other errors)."""
     text = str(error)
