@@ -22,9 +22,11 @@ from typing import Callable
 from aaflow.calibration_cores import concurrency_slowdown, lent_core_speedup, say
 from aaflow.errors import CostModelError
 from aaflow.machine import cpu_kind, cpu_model
+from aaflow.progress import Stages
 from costmodel.hardware import HardwareProfile, LinkProfile, hardware_dir
 
 LINK_TOKENS_QUICK = (128, 1024, 4096)
+QUICK_CALIBRATION_S = 60  # about how long a quick calibration takes per model (SmolLM2, 2 cores)
 LINK_TOKENS_FULL = (64, 256, 1024, 2048, 4096, 8192)
 
 
@@ -152,32 +154,42 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     compute = dict(base.compute) if base else {}
     links = dict(base.links) if base else {}
     report = []
+    pairs = [cluster.replicas(m) for m in sorted(cluster.models) if len(cluster.replicas(m)) >= 2]
+    stages = Stages(3 * len(cluster.models) + 3 + bool(pairs), "calibrating", shown=progress is not None)
+
+    def stage(message: str) -> None:
+        say(progress, message)
+        stages.begin(message.split(": ")[-1].rstrip(" ."))
+
     for model in sorted(cluster.models):
         replica = cluster.replicas(model)[0]
         info = call(replica, "info")
         key = model_key(info)
-        say(progress, f"calibrating {key} on {replica.name}: prefill ...")
+        stage(f"calibrating {key} on {replica.name}: prefill ...")
         prefill = call(replica, "calibrate_prefill", QUICK_PREFILL if quick else FULL_PREFILL, 1 if quick else 3)
-        say(progress, f"calibrating {key} on {replica.name}: decode ...")
+        stage(f"calibrating {key} on {replica.name}: decode ...")
         decode = call(replica, "calibrate_decode", QUICK_DECODE if quick else FULL_DECODE)
-        say(progress, f"calibrating {key} on {replica.name}: packed prefill ...")
+        stage(f"calibrating {key} on {replica.name}: packed prefill ...")
         compute[key] = with_member_cost(compute_profile_from_samples(prefill, decode), call(replica, "calibrate_packing"))
         quality = fit_quality(compute[key], prefill, decode)
         report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points, median fit error {quality:.1%}")
         say(progress, f"  {report[-1]}")
+    stage("calibrating: replicas computing at once ...")
     slowdown = concurrency_slowdown(cluster.replicas(), progress)
+    stage("calibrating: prefill on lent cores ...")
     lent_speedup = lent_core_speedup(cluster.replicas(), progress)
+    stage("calibrating: memory bandwidth and call overhead ...")
     replica = cluster.replicas()[0]
     memcpy = call(replica, "memcpy_bandwidth")
     overhead = _call_overhead_s(replica)
-    pairs = [cluster.replicas(m) for m in sorted(cluster.models) if len(cluster.replicas(m)) >= 2]
     if pairs:
         ready = available_transports()
         wanted = transports or tuple(t for t in ("ray", "nixl", "ucx") if ready.get(t) is True)
-        say(progress, f"calibrating links {', '.join(wanted)} between {pairs[0][0].name} and {pairs[0][1].name} ...")
+        stage(f"calibrating links {', '.join(wanted)} between {pairs[0][0].name} and {pairs[0][1].name} ...")
         measured, _ = _measure_links(pairs[0], wanted, LINK_TOKENS_QUICK if quick else LINK_TOKENS_FULL, progress,
                                      memcpy)
         links.update(measured)
+    stages.close()
     source = (f"measured by `aaflow calibrate` on {socket.gethostname()} ({cpu_model()}, {cpu_kind()}, "
               f"{os.cpu_count()} CPUs) at "
               f"{time.strftime('%Y-%m-%d %H:%M:%S')}; " + "; ".join(report))
@@ -208,6 +220,7 @@ def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
     profile = find_profile()
     if covers(profile, infos):
         return profile
-    say(progress, "no calibrated profile of this machine for these replicas yet: calibrating (quick) ...")
+    say(progress, "no calibrated profile of this machine for these replicas yet: calibrating (quick, about "
+                  f"{QUICK_CALIBRATION_S} s per model; `aaflow calibrate` does it ahead of any run) ...")
     return calibrate(cluster, quick=True, progress=progress, base=profile,
                      out=cached_profile_path(default_profile_name()))

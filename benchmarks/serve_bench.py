@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from aaflow.progress import Stages
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
 from benchmarks.serve_load import run_threads
 from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows
@@ -124,6 +125,7 @@ def run(args) -> dict:
 
             endpoint = HttpEndpoint(head)
         af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels
+        bar = Stages(len(eos_modes) * len(shapes) * args.repeats, "bench serve")
         for ignore_eos in eos_modes:
             workflows = serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos)
             if args.strategy == "auto":  # each document's workflow planned once before (plans are memoized by shape)
@@ -140,6 +142,7 @@ def run(args) -> dict:
                 offsets = arrivals(len(workflows), rate, seed=1)
                 samples: dict[str, list] = {"aaflow": []}
                 for rep in range(args.repeats):
+                    bar.begin(f"{key}, repeat {rep + 1}")
                     sides = ["aaflow"] + (["aaflow-http"] if endpoint else []) + list(runners)
                     sides = sides[rep % len(sides):] + sides[:rep % len(sides)]
                     for side in sides:
@@ -156,6 +159,7 @@ def run(args) -> dict:
                             f"{s['workflows_per_min']:.0f} wf/min, p50 {s.get('latency_p50_s', 0):.2f} s, "
                             f"p99 {s.get('latency_p99_s', 0):.2f} s")
                 report["shapes"][key] = _compare({side: _medians(v) for side, v in samples.items()})
+        bar.close()
     finally:
         if endpoint is not None:
             endpoint.close()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from aaflow.progress import Stages
 from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows
 from benchmarks.common import (add_dtype_argument, kv_bytes_per_token, log, machine_facts, wait_until_quiet,
                                write_json)
@@ -156,12 +157,15 @@ def _measure_all(args, workflows: dict, strategies: list[str], replicas: int, pe
     out = {}
     try:
         _warm(cluster, strategies, args.chunk_tokens)
+        bar = Stages(len(workflows), f"bench workflows, {replicas} replica(s)")
         for name, wf in workflows.items():
+            bar.begin(name)
             row = out[name] = _measure(cluster, wf, strategies, args.repeats, args.chunk_tokens,
                                        warmup=not (args.quick or args.no_warmup), peers=peers, key=name)
             log(f"{name} ({replicas} replica(s)): " + ", ".join(f"{s} {row[s]['wall_s']:.2f} s" for s in strategies)
                 + " | " + ", ".join(f"{s} {-row[s]['latency_reduction_vs_text']:+.0%} latency vs text"
                                     for s in strategies[1:]))
+        bar.close()
     finally:
         cluster.shutdown()
     return out

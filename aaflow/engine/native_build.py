@@ -13,11 +13,15 @@ import os
 import platform
 import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
+
+from aaflow.progress import timed
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
+BUILD_S = 30  # about how long one source takes to compile (for the progress bar)
 
 
 class NativeModule:
@@ -45,13 +49,15 @@ class NativeModule:
                 from torch.utils.cpp_extension import load as load_extension
 
                 name = self._build_name()
-                if not _is_built(name):
-                    print(f"aaflow: building {self.label}, once for this machine (about 30 s) ...",
+                building = not _is_built(name)
+                if building:
+                    print(f"aaflow: building {self.label}, once for this machine (about {BUILD_S} s) ...",
                           file=sys.stderr, flush=True)
-                self._module = load_extension(
-                    name, sources=[str(self.source)], verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *self.extra_cflags], extra_ldflags=["-fopenmp"],
-                )
+                with timed(f"building {self.label}", BUILD_S) if building else nullcontext():
+                    self._module = load_extension(
+                        name, sources=[str(self.source)], verbose=False,
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", *self.extra_cflags],
+                        extra_ldflags=["-fopenmp"])
             except Exception as error:  # no compiler, no headers: the torch paths still work
                 log.warning("aaflow: %s unavailable, using torch paths: %s", self.label, error)
                 self._module = None
