@@ -26,8 +26,8 @@ from aaflow.progress import Stages
 from costmodel.hardware import HardwareProfile, LinkProfile, hardware_dir
 
 LINK_TOKENS_QUICK = (128, 1024, 4096)
-QUICK_CALIBRATION_S = 60  # about how long a quick calibration takes per model (SmolLM2, 2 cores)
 LINK_TOKENS_FULL = (64, 256, 1024, 2048, 4096, 8192)
+QUICK_CALIBRATION_S = 60  # about how long a quick calibration takes per model (SmolLM2, 2 cores)
 
 
 def default_profile_name() -> str:
