@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,16 +141,20 @@ def test_readme_deploy_example_runs_as_written_with_ray_jobs(model, tmp_path, to
     if token:
         (home / ".ray" / "auth_token").write_text(generate_new_authentication_token())
     env = newcomer_env(home)
-    try:  # a short temp dir: Ray's socket paths must stay under 108 bytes
-        head = start_head(Path(tempfile.mkdtemp(prefix="aaflow-ray-")), env=dict(env))
-    except RuntimeError as exc:
-        pytest.skip(f"cannot start a Ray head with its dashboard (Ray Jobs) here: {exc}")
+    ray_dir = Path(tempfile.mkdtemp(prefix="aaflow-ray-"))  # short: Ray's socket paths must stay under 108 bytes
     try:
-        outputs = _run_readme_commands(commands[1:-1], head, env, model, tmp_path)
-        _run_readme_serve_example(head, env, model)
-        outputs += _run_readme_commands(commands[-1:], head, env, model, tmp_path)
+        try:
+            head = start_head(ray_dir, env=dict(env))
+        except RuntimeError as exc:
+            pytest.skip(f"cannot start a Ray head with its dashboard (Ray Jobs) here: {exc}")
+        try:
+            outputs = _run_readme_commands(commands[1:-1], head, env, model, tmp_path)
+            _run_readme_serve_example(head, env, model)
+            outputs += _run_readme_commands(commands[-1:], head, env, model, tmp_path)
+        finally:
+            head.stop()
     finally:
-        head.stop()
+        shutil.rmtree(ray_dir, ignore_errors=True)
     first = next(text for command, text in outputs if "aaflow.cli submit" in command)
     job = next(text for command, text in outputs if command.startswith("ray job submit"))
     for name in ("r1", "r2", "meta"):
