@@ -89,7 +89,9 @@ class SchedulerActor:
             client.polled = time.monotonic()
             if not any(s.items for s in client.streams.values()):
                 client.news.wait(min(wait_s, self.lease_s / 3))  # the client polls again well inside its lease
-        time.sleep(GATHER_S)
+            news = any(s.items for s in client.streams.values())
+        if news:  # a poll that waited out its time has nothing to gather
+            time.sleep(GATHER_S)
         answers = {}
         with client.news:
             client.polled = time.monotonic()
