@@ -47,7 +47,7 @@ def _assert_identical(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                            f"{differing[:5]}, max |diff| {float((got - want).abs().max()):.3g})")
 
 
-@pytest.mark.parametrize("chunk", [7, 128, 200])
+@pytest.mark.parametrize("chunk", [57, 128, 200])  # 57: chunks end at no block or tile boundary
 def test_chunked_prefill_gives_one_pass_logits_bit_for_bit(det_engine, prompt, one_pass, chunk):
     _assert_identical(_prefill(det_engine, prompt, chunk), one_pass, f"chunks of {chunk}")
 
