@@ -19,9 +19,7 @@ class FaultInjection:
     - "stale": its next `after` exposures are released at the source before any peer reads them, so
       the peer's fetch meets a stale lease inside the real transport;
     - "kill": the process SIGKILLs itself on its `after`-th call that reaches `at` (one of KILL_POINTS),
-      `delay_s` after that call starts (a source killed while its peer fetches: at="expose", a delay);
-    - "refuse": its `after`-th call that prefills prompt tokens (a mixed step's included) is refused
-      with KVCapacityError before anything changes, as a full pool refuses it (built-in replicas).
+      `delay_s` after that call starts (a source killed while its peer fetches: at="expose", a delay).
     """
 
     def __init__(self) -> None:
@@ -30,8 +28,8 @@ class FaultInjection:
 
     def inject(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0) -> None:
         """Arm `kind` (replacing whatever was armed); ValueError for an unknown kind or point."""
-        if kind not in ("crash", "error", "transfer", "stale", "kill", "refuse"):
-            raise ValueError(f"unknown fault {kind!r}: use crash, error, transfer, stale, kill or refuse")
+        if kind not in ("crash", "error", "transfer", "stale", "kill"):
+            raise ValueError(f"unknown fault {kind!r}: use crash, error, transfer, stale or kill")
         if kind == "kill" and at not in KILL_POINTS:
             raise ValueError(f"a kill fault needs at= one of {KILL_POINTS}, got {at!r}")
         self.armed = (kind, after)
@@ -63,22 +61,10 @@ class FaultInjection:
         self.armed = ("stale", left) if left > 0 else None
         return True
 
-    def maybe_refuse(self) -> None:
-        """A call is about to prefill prompt tokens: count down an armed "refuse" fault; at zero,
-        raise KVCapacityError."""
-        if self.armed is None or self.armed[0] != "refuse":
-            return
-        left = self.armed[1] - 1
-        self.armed = ("refuse", left) if left > 0 else None
-        if left <= 0:
-            from aaflow.errors import KVCapacityError
-
-            raise KVCapacityError(0, 0, hint="(an injected refusal)")
-
     def maybe_fail(self, where: str) -> None:
         """Count down an armed fault that strikes at `where` ("step" or "receive"); strike at zero."""
         self.reached(where)
-        if self.armed is None or self.armed[0] in ("stale", "kill", "refuse"):
+        if self.armed is None or self.armed[0] in ("stale", "kill"):
             return
         kind, left = self.armed
         if (kind == "transfer") != (where == "receive"):

@@ -47,8 +47,8 @@ class ReplicaBase(Replica):
 
     # --- faults (reliability tests) -----------------------------------------------------------
     def inject_fault(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0) -> None:
-        """Arm a fault (`cluster.faults.FaultInjection`): "crash", "error", "transfer", "stale",
-        "refuse", or "kill" at a point (materialize, prefill, step, expose, receive)."""
+        """Arm a fault (`cluster.faults.FaultInjection`): "crash", "error", "transfer", "stale", or
+        "kill" at a point (materialize, prefill, step, expose, receive)."""
         self.faults.inject(kind, after, at, delay_s)
 
     def clear_fault(self) -> None:

@@ -37,7 +37,6 @@ class SequenceSessions:
         """Run a call that prefills prompt tokens of these sessions, keeping the runs' order for KV."""
         self.queue.admit(sids, sum(len(t) for t in token_lists))
         try:
-            self.faults.maybe_refuse()  # an injected refusal, as the pool's: before anything changes
             result = prompt_call()
         except KVCapacityError as exc:
             self.queue.refused(sids, exc)

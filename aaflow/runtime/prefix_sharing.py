@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from aaflow.runtime.calls import ComposeCall, EvictCall, FreeCall, MaterializeCall, OpenCall
 from aaflow.runtime.kv_move import MoveInFlight, start_move
-from aaflow.runtime.prefix_warmup import PrefixWarmups
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState
@@ -41,7 +40,6 @@ class PrefixSharing:
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
         self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
-        self.warmups = PrefixWarmups(scheduler)  # prefixes computed in chunks beside decode steps
 
     @property
     def transport(self) -> str:
@@ -116,8 +114,8 @@ class PrefixSharing:
     def _materialize(self, prefix: Prefix, rname: str) -> None:
         """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
         if prefix[2] is None:
-            self.warmups.materialize(rname, list(prefix[1]),
-                                     lambda rec, warmed: self._materialized(prefix, rname, rec, warmed))
+            self.queues.call(rname, MaterializeCall(list(prefix[1])),
+                             then=lambda rec: self._materialized(prefix, rname, rec))
             return
         mode, r, lengths = prefix[2]
         parts: list = [None] * len(lengths)  # None: not made yet
@@ -163,8 +161,8 @@ class PrefixSharing:
             name = waiters[0].name
             self.computed_for[name] = self.computed_for.get(name, 0) + tokens
 
-    def _materialized(self, prefix: Prefix, rname: str, record, warmed: int) -> None:
-        self._count(prefix, rname, record.computed + warmed)
+    def _materialized(self, prefix: Prefix, rname: str, record) -> None:
+        self._count(prefix, rname, record.computed)
         self._ready(prefix, rname, record.id, 0, received=False)
 
     def _ready(self, prefix: Prefix, rname: str, ref_id: str, nbytes: int, received: bool) -> None:
@@ -232,7 +230,6 @@ class PrefixSharing:
         computing computes it now."""
         for holders in self.refs.values():
             holders.pop(rname, None)
-        self.warmups.replica_died(rname)
         self.evicted = {k for k in self.evicted if k[-1] != rname}
         self.computing_here = {k for k in self.computing_here if k[-1] != rname}
         self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}

@@ -60,7 +60,6 @@ class Recovery:
         calls = self._made_in_flight()
         calls += [(a.replica, CloseCall(a.sid)) for a in s.agents.values()
                  if a.replica is not None and a.replica not in s.dead and a.state != "done"]
-        calls += s.prefixes.warmups.open_sessions()
         calls += [(move.source, move.release_call()) for move in s.prefixes.transferring.values()
                   if move.release_call() and move.source not in s.dead]  # an exposure holds the source's blocks
         calls += [(rname, FreeCall(ref_id)) for holders in s.prefixes.refs.values()
@@ -151,9 +150,6 @@ class Recovery:
                 victims = [on_replica[call.sid]]
             if isinstance(call, MaterializeCall):
                 victims = s.prefixes.materialize_refused(ticket.replica, call.token_ids)
-            warming = [sid for sid in call.sessions if s.prefixes.warmups.abandon(sid)]
-            if warming and not victims:  # a prefix's warm-up alone: it is materialized at once instead
-                return
         if not victims:
             self.call_failed(ticket, exc, preempt=False)
             return

@@ -40,7 +40,6 @@ class _Session:
     tokens: int = 0  # KV tokens held
     key: object = None  # what its shared blocks are counted under: their first block
     shared: int = 0  # of its tokens, those in blocks shared with other sessions or refs
-    prompt: list[int] | None = None  # its token ids while it holds prompt tokens only (None once it decodes)
 
 
 class _Ledger:
@@ -137,15 +136,12 @@ class SimReplica:
         """Cost of prefilling `ids` into session `sid` (None: a new ref) in call number `call`:
         seconds, tokens served by the prefix cache, what its shared blocks are counted under
         (their first block), whether the hit is on blocks an earlier member of the call computes."""
-        session = self.sessions[sid] if sid is not None else None
-        held = session.tokens if session is not None else 0
+        held = self.sessions[sid].tokens if sid is not None else 0
         hit, fresh_hit = 0, False
         if held == 0:
             common, fresh_hit = self._walk(ids, call)
             hit = min(common, (len(ids) - 1) // self.block * self.block) if reuse else 0
             fresh_hit = fresh_hit and hit > 0
-        elif session.prompt is not None:  # a continuation's full blocks enter the prefix cache too
-            self._walk(session.prompt + ids, call)
         self.computed += len(ids) - hit
         seconds = self.overhead + self.compute.prefill_time(len(ids) - hit, held + hit)
         return seconds, hit, tuple(ids[:self.block]), fresh_hit
@@ -155,7 +151,7 @@ class SimReplica:
         ids, key = self.refs[fork_of] if fork_of else ((), None)
 
         def apply() -> None:
-            self.sessions[sid] = _Session(len(ids), key, len(ids), list(ids))
+            self.sessions[sid] = _Session(len(ids), key, len(ids))
             if ids:
                 self.ledger.share(key, len(ids))
 
@@ -202,8 +198,6 @@ class SimReplica:
                         self.ledger.share(key, s.shared)
                         self.ledger.own -= s.shared
                 s.tokens += len(r.token_ids)
-                if s.prompt is not None:
-                    s.prompt = s.prompt + list(r.token_ids)
                 self.ledger.own += len(r.token_ids)
 
         return seconds, answers, apply
@@ -225,7 +219,6 @@ class SimReplica:
         def apply() -> None:
             for s in sessions:
                 s.tokens += count
-                s.prompt = None  # decoded ids are synthetic: nothing of them is looked up again
             self.ledger.own += len(sids) * count
 
         tokens = [[next_token() for _ in range(count)] for _ in sids]
