@@ -36,6 +36,12 @@ class Stages:
             self.bar.set_postfix_str(label)
         self.begun += 1
 
+    def add(self, more: int) -> None:
+        """`more` stages beyond those counted at the start (work found to be needed on the way)."""
+        if self.bar is not None:
+            self.bar.total += more
+            self.bar.refresh()
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.update(self.bar.total - self.bar.n)

@@ -40,6 +40,17 @@ def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):
     assert HardwareProfile.load(out) == profile
 
 
+def test_a_quick_fit_off_by_too_much_is_measured_again_on_the_full_grid(calibrated, monkeypatch):
+    import aaflow.calibration as calibration
+
+    cluster, *_ = calibrated
+    monkeypatch.setattr(calibration, "QUICK_FIT_MAX_ERROR", -1.0)  # any quick fit is off by too much
+    said: list[str] = []
+    profile = calibrate(cluster, name="tiny-test", transports=(), progress=said.append)
+    assert any("on the quick grid; measuring the full grid" in line for line in said), said
+    assert "(full grid)" in profile.source and "(quick grid)" not in profile.source, profile.source
+
+
 def test_plan_covers_every_agent_and_run_follows_it(calibrated):
     cluster, model, profile, _ = calibrated
     wf = map_reduce(model)
