@@ -1,7 +1,6 @@
 """The per-replica call queues: bookkeeping calls (opens, closes) never take a decode step's turn,
 and a run of them goes in one launch, so prompt segments queued behind a burst of them reach the
-replica at the next step; a refused mixed step is followed by a step of its decoding agents alone;
-a few decoding agents step alone a few times between two prompts."""
+replica at the next step; a refused mixed step is followed by a step of its decoding agents alone."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from types import SimpleNamespace
 
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
-from aaflow.runtime.call_queues import FEW_DECODING, STEPS_BETWEEN_PROMPTS, CallQueues
+from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CallKind, CloseCall, OpenCall, PrefillCall
 from aaflow.runtime.results import AgentResult
 
@@ -43,9 +42,9 @@ def _decoding(name: str) -> AgentState:
     return agent
 
 
-def _queues_decoding(backend: Launches, count: int = 8) -> CallQueues:
-    """Queues on one replica that decodes `count` agents (8 or more: one step per call)."""
-    agents = [_decoding(f"a{i}") for i in range(count)]
+def _queues_with_8_decoding(backend: Launches) -> CallQueues:
+    """Queues on one replica that decodes 8 agents (8 or more: one step per call)."""
+    agents = [_decoding(f"a{i}") for i in range(8)]
     scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
                                 streaming_readers={a.name: [] for a in agents})
     return CallQueues(scheduler, backend, lend_cores=False)
@@ -61,7 +60,7 @@ def _run(queues: CallQueues, rounds: int) -> None:
 
 def test_opens_and_closes_go_between_two_steps_and_the_prompt_behind_them_mixes_in():
     backend = Launches()
-    queues = _queues_decoding(backend)
+    queues = _queues_with_8_decoding(backend)
     queues.last_kind["r0"] = CallKind.STEP  # the replica has just stepped
     for sid in ("x", "y", "z"):
         queues.call("r0", CloseCall(f"old-{sid}"))
@@ -83,23 +82,8 @@ def test_after_a_refused_mixed_step_the_decoding_agents_step_alone_once():
     """A mixed step refused for KV did not step its decoding agents either: the next call is their
     step, so a prompt that keeps being refused (and retried) never starves them."""
     backend = Launches()
-    queues = _queues_decoding(backend, FEW_DECODING + 1)  # many decode: a prompt mixes in at once
+    queues = _queues_with_8_decoding(backend)
     queues.step_first.add("r0")  # what `Recovery.kv_short` does after a refused MIXED call
     queues.call("r0", PrefillCall("w", [1, 2, 3]))
     _run(queues, 2)
     assert backend.kinds == ["STEP", "MIXED"]
-
-
-def test_a_few_decoding_agents_step_alone_between_two_prompts():
-    """With few agents decoding, a prompt waits STEPS_BETWEEN_PROMPTS steps after the last one (the
-    oldest runs' decoding goes on); a prompt after a longer pause, or beside many decoding agents,
-    mixes in at once."""
-    for count, expected in ((FEW_DECODING, ["MIXED"] + ["STEP"] * STEPS_BETWEEN_PROMPTS + ["MIXED"]),
-                            (FEW_DECODING + 1, ["MIXED", "MIXED"])):
-        backend = Launches()
-        queues = _queues_decoding(backend, count)
-        queues.call("r0", PrefillCall("v", [1, 2, 3]))
-        _run(queues, 1)
-        queues.call("r0", PrefillCall("w", [4, 5, 6]))  # arrives just after v's step
-        _run(queues, len(expected) - 1)
-        assert backend.kinds == expected, count

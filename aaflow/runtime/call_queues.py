@@ -9,11 +9,7 @@ replica: 14.5 -> 12.8 s, medians of 4); and the whole run of them at the head go
 replica runs its calls in the order they were sent), so that their round trips overlap: 64
 sessions opened in ~20 instead of ~57 ms. Queued prompt segments of several agents go as one packed
 call (`packing`), and with the decode step in one forward pass when the replica also decodes (a
-mixed step); a mixed step refused for KV is followed by a step of its decoding agents alone. While
-few agents decode (a light load: the earliest runs of a stream, whose answers are the tail), they
-step alone STEPS_BETWEEN_PROMPTS times between two mixed steps, so that a stream of arriving cold
-prompts (seconds each on a CPU) does not give them one token per arrival; under a heavy load the
-prompts mix in at every step, as batching wants. With
+mixed step); a mixed step refused for KV is followed by a step of its decoding agents alone. With
 nothing queued, a replica may run several decode steps in one call (`step_groups`). A long
 prefill sent while other built-in replicas of its node idle runs on their threads too
 (`core_lending`).
@@ -31,13 +27,6 @@ from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
 from aaflow.runtime.packing import Queued, pack_prefills
 from aaflow.runtime.step_groups import steps_per_call, stops
 
-# Decode steps alone between two mixed steps while at most FEW_DECODING agents decode on the replica.
-# Chosen on the simulated clock (`af.plan_load`, the Poisson loads of `aaflow bench serve`): at 0.5
-# workflows/s the p99 fell 7% (p50 +7%), at 1 and 2/s it moved within 4% with the wall within 1.4%;
-# without the FEW_DECODING bound the saturated loads' wall grew 11-12%.
-STEPS_BETWEEN_PROMPTS = 3
-FEW_DECODING = 8
-
 if TYPE_CHECKING:
     from aaflow.runtime.scheduler import Scheduler
 
@@ -53,7 +42,6 @@ class CallQueues:
         self.running: dict[str, set[Ticket]] = {}  # replica -> its calls in flight
         self.last_kind: dict[str, CallKind] = {}
         self.step_first: set[str] = set()  # replicas whose mixed step was refused: they step alone next
-        self.steps_since_prompt: dict[str, int] = {}  # replica -> decode steps since its last mixed step
 
     def call(self, replica: str, call: Call, then: Callable | None = None) -> None:
         """Queue `call` on `replica`; `then(value)` runs when it has ended."""
@@ -92,11 +80,7 @@ class CallQueues:
             elif decoding and name in self.step_first:  # the prompt that was refused does not hold decoding back
                 self.step_first.discard(name)
                 self._step(name, decoding, 1)
-            elif (decoding and queue and queue[0][0].kind is CallKind.PREFILL and len(decoding) <= FEW_DECODING
-                  and self.steps_since_prompt.get(name, STEPS_BETWEEN_PROMPTS) < STEPS_BETWEEN_PROMPTS):
-                self._step(name, decoding, 1)  # decoding goes on alone a few steps between two prompts
             elif decoding and queue and queue[0][0].kind is CallKind.PREFILL:  # decode and prefill in one pass
-                self.steps_since_prompt[name] = 0
                 pack, answer = self._pack(name, always=True)
                 call = MixedCall([a.sid for a in decoding], pack.requests)
                 self._start(name, call, lambda out, ds=decoding, a=answer: self._on_mixed(ds, a, out))
@@ -111,7 +95,6 @@ class CallQueues:
     def _step(self, name: str, decoding: list, steps: int) -> None:
         """One decode step of `decoding`, or a group of `steps` in one call."""
         sids = [a.sid for a in decoding]
-        self.steps_since_prompt[name] = self.steps_since_prompt.get(name, 0) + steps
         if steps == 1:
             self._start(name, StepCall(sids), lambda tokens: self.scheduler.on_step(decoding, tokens))
         else:
