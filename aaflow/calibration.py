@@ -29,8 +29,7 @@ LINK_TOKENS_QUICK = (128, 1024, 4096)
 LINK_TOKENS_FULL = (64, 256, 1024, 2048, 4096, 8192)
 QUICK_CALIBRATION_S = 60  # about how long a quick calibration takes per model (SmolLM2, 2 cores)
 # A quick fit off by more than this (median relative error: a noisy moment, one sample per point) is
-# measured again on the full grid, three samples a point. A quick fit on first use once shipped with
-# prefill at 18.8 ms a token where the full grid measured 1.7 ms.
+# measured again on the full grid, three samples a point.
 QUICK_FIT_MAX_ERROR = 0.25
 
 
