@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from aaflow.engine.sampling import Sampler, SamplingParams
 from aaflow.errors import KVCapacityError
+from aaflow.runtime.backend import SessionLostError
 from cluster.kv_queue import KVQueue
 
 
@@ -23,6 +24,15 @@ class _Session:
     generated: list[int] = field(default_factory=list)
 
 
+class SessionTable(dict):
+    """A replica's sessions by id; an unknown id raises `SessionLostError`, not KeyError (the
+    replica was restarted, empty, since the session opened)."""
+
+    def __missing__(self, sid: str):
+        raise SessionLostError(f"no session {sid!r} on this replica: it was restarted since the session opened "
+                               "and its KV is lost; the scheduler recomputes its agents")
+
+
 class SequenceSessions:
     """A built-in replica's sessions, addressed by a string id, on its engine's sequences."""
 
@@ -30,7 +40,7 @@ class SequenceSessions:
         """`refs`: the replica's `RefTable` (a session may continue a ref); `faults`: its
         `FaultInjection` (a decode step may fail on purpose)."""
         self.engine, self.host, self.refs, self.faults = engine, host, refs, faults
-        self.table: dict[str, _Session] = {}
+        self.table: SessionTable = SessionTable()
         self.queue = KVQueue(engine)  # prompts of runs refused for KV go first
 
     def _admitted(self, sids: list[str], token_lists, prompt_call):

@@ -19,6 +19,7 @@ from pathlib import Path
 from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engines_vllm.errors import VLLMUnsupportedError
+from cluster.sessions import SessionTable
 
 
 @dataclass
@@ -37,7 +38,7 @@ class VLLMSessions:
         """`refs`: the replica's `PayloadRefs` (a session may continue a ref); `faults`: its
         `FaultInjection` (a decode step may fail on purpose)."""
         self.name, self.engine, self.refs, self.faults = name, engine, refs, faults
-        self.table: dict[str, _Session] = {}
+        self.table: SessionTable = SessionTable()
         self.computed = self.reused = 0  # tokens vLLM computed / did not, over every prefill
         self._ids = itertools.count()
 

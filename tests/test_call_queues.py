@@ -4,13 +4,12 @@ replica at the next step; a refused mixed step is followed by a step of its deco
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CallKind, CloseCall, OpenCall, PrefillCall
 from aaflow.runtime.results import AgentResult
+from aaflow.runtime.scheduler_state import SchedulerState
 
 
 class Launches(Backend):
@@ -45,9 +44,9 @@ def _decoding(name: str) -> AgentState:
 def _queues_with_8_decoding(backend: Launches) -> CallQueues:
     """Queues on one replica that decodes 8 agents (8 or more: one step per call)."""
     agents = [_decoding(f"a{i}") for i in range(8)]
-    scheduler = SimpleNamespace(dead=set(), decoding={"r0": agents}, fresh_sids=set(), eos={"m": {0}},
-                                streaming_readers={a.name: [] for a in agents})
-    return CallQueues(scheduler, backend, lend_cores=False)
+    state = SchedulerState(backend, eos={"m": {0}}, decoding={"r0": agents},
+                           streaming_readers={a.name: [] for a in agents})
+    return CallQueues(state, lend_cores=False, decoded=lambda agents, tokens, ends: None)
 
 
 def _run(queues: CallQueues, rounds: int) -> None:
@@ -83,7 +82,7 @@ def test_after_a_refused_mixed_step_the_decoding_agents_step_alone_once():
     step, so a prompt that keeps being refused (and retried) never starves them."""
     backend = Launches()
     queues = _queues_with_8_decoding(backend)
-    queues.step_first.add("r0")  # what `Recovery.kv_short` does after a refused MIXED call
+    queues.step_first.add("r0")  # what the scheduler does after a refused MIXED call (`Recovery.failure`)
     queues.call("r0", PrefillCall("w", [1, 2, 3]))
     _run(queues, 2)
     assert backend.kinds == ["STEP", "MIXED"]

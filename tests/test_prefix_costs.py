@@ -10,6 +10,7 @@ import pytest
 from aaflow.runtime.calls import ExposeCall, MaterializeCall
 from aaflow.runtime.prefix_costs import PrefixCosts
 from aaflow.runtime.prefix_sharing import PrefixSharing
+from aaflow.runtime.scheduler_state import SchedulerState
 from costmodel.hardware import ComputeProfile, LinkProfile
 
 PREFIX = ("m", tuple(range(1000)), None)
@@ -25,9 +26,8 @@ def _costs(bytes_per_s: float, slowdown: float = 1.5, lent: float = 1.0) -> Pref
 def _sharing(costs: PrefixCosts | None, now: float = 0.0) -> tuple[PrefixSharing, list]:
     calls: list = []
     queues = SimpleNamespace(replicas=["r0", "r1"], call=lambda replica, call, then=None: calls.append((replica, call)))
-    scheduler = SimpleNamespace(queues=queues, dead=set(), events=[], now=lambda: now,
-                                backend=SimpleNamespace(prefix_costs=lambda: costs))
-    return PrefixSharing(scheduler, "ray"), calls
+    backend = SimpleNamespace(replicas=lambda: [], now=lambda: now, prefix_costs=lambda: costs)
+    return PrefixSharing(SchedulerState(backend), queues, "ray", forked=lambda agent, n: None), calls
 
 
 def _needs_it_on_r1(sharing: PrefixSharing, planned: bool = True) -> None:
@@ -55,7 +55,7 @@ def test_a_held_prefix_is_moved_over_a_fast_link_and_computed_where_the_link_is_
     slow.refs[PREFIX] = {"r0": "ref0"}
     _needs_it_on_r1(slow)
     assert calls == [("r1", MaterializeCall(list(PREFIX[1])))]
-    assert PREFIX + ("r1",) in slow.computing_here and "sooner than moving it" in slow.scheduler.events[0]
+    assert PREFIX + ("r1",) in slow.computing_here and "sooner than moving it" in slow.state.events[0]
 
 
 def test_a_prefix_still_being_computed_elsewhere_is_waited_for_unless_computing_it_here_is_sooner():

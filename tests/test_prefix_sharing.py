@@ -6,13 +6,20 @@ from types import SimpleNamespace
 
 from aaflow.runtime.calls import ComposeCall, EvictCall, FreeCall, MaterializeCall, OpenCall
 from aaflow.runtime.prefix_sharing import PrefixSharing
+from aaflow.runtime.scheduler_state import SchedulerState
+
+
+def _sharing(queues=None, **state) -> PrefixSharing:
+    """PrefixSharing over a scheduler state with no replicas, its clock at 1 s."""
+    backend = SimpleNamespace(replicas=lambda: [], now=lambda: 1.0)
+    return PrefixSharing(SchedulerState(backend, **state), queues, "ray", forked=lambda agent, n: None)
 
 
 def test_a_refused_materialize_hands_back_the_agents_waiting_for_it():
     """A prefix computed on r0 for everyone, refused there: every waiter, anywhere, is handed back.
     r1 computing it itself after its transfer failed, refused: r1's waiters only (under load these
     found no agent to preempt and failed their run)."""
-    sharing = PrefixSharing(SimpleNamespace(queues=None), "ray")
+    sharing = _sharing()
     prefix = ("model", (1, 2, 3), None)
     sharing.origin[prefix] = "r0"
     at_r1, at_r2 = object(), object()
@@ -30,14 +37,14 @@ def test_a_composed_prefix_made_on_two_replicas_at_once_keeps_both_compositions(
     abandons that one only."""
     calls = []
     queues = SimpleNamespace(call=lambda replica, call, then=None: calls.append((replica, call, then)))
-    sharing = PrefixSharing(SimpleNamespace(queues=queues), "ray")
+    sharing = _sharing(queues)
     prefix = ("model", (1, 2, 3), ("exact", 0, (1, 2)))
     at_r1, at_r2 = object(), object()
     sharing.waiters[prefix + ("r1",)], sharing.waiters[prefix + ("r2",)] = [at_r1], [at_r2]
     sharing._materialize(prefix, "r1")
     sharing._materialize(prefix, "r2")
     assert sharing.materialize_refused("r1", [2, 3]) == [at_r1]
-    assert list(sharing.composing) == [prefix + ("r2",)] and list(sharing.waiters) == [prefix + ("r2",)]
+    assert list(sharing.compositions.parts) == [prefix + ("r2",)] and list(sharing.waiters) == [prefix + ("r2",)]
     r2_calls = [c for c in calls if c[0] == "r2"]
     r2_calls[0][2](SimpleNamespace(id="a"))
     r2_calls[1][2](SimpleNamespace(id="b"))
@@ -47,7 +54,7 @@ def test_a_composed_prefix_made_on_two_replicas_at_once_keeps_both_compositions(
 def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back_its_waiters():
     calls = []
     queues = SimpleNamespace(call=lambda replica, call, then=None: calls.append((call, then)))
-    sharing = PrefixSharing(SimpleNamespace(queues=queues), "ray")
+    sharing = _sharing(queues)
     prefix = ("model", (1, 2, 3, 4, 5, 6), ("exact", 0, (2, 3, 1)))
     waiter = object()
     sharing.waiters[prefix + ("r0",)] = [waiter]
@@ -60,7 +67,7 @@ def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back
     assert calls[-1][0] == FreeCall("part0")  # the part made so far
     made_last(SimpleNamespace(id="part2"))  # a part that ends after the refusal is freed too
     assert calls[-1][0] == FreeCall("part2")
-    assert not sharing.composing and prefix not in sharing.origin and not sharing.waiters
+    assert not sharing.compositions.parts and prefix not in sharing.origin and not sharing.waiters
 
 
 def test_an_evict_node_evicts_the_shared_prefix_and_a_later_fork_rebuilds_it():
@@ -72,9 +79,7 @@ def test_an_evict_node_evicts_the_shared_prefix_and_a_later_fork_rebuilds_it():
     prefix = ("model", (1, 2, 3), None)
     sharers = [SimpleNamespace(prefix_key=prefix, evicts_prefix=True, state="open", replica="r0", sid=f"s{i}",
                                prefix_via="", result=SimpleNamespace(fidelity=None)) for i in range(2)]
-    scheduler = SimpleNamespace(queues=queues, agents={f"a{i}": a for i, a in enumerate(sharers)}, dead={"r2"},
-                                events=[], now=lambda: 1.0)
-    sharing = PrefixSharing(scheduler, "ray")
+    sharing = _sharing(queues, agents={f"a{i}": a for i, a in enumerate(sharers)}, dead={"r2"})
     sharing.refs[prefix] = {"r0": "ref0", "r1": "ref1", "r2": "ref2"}
     sharers[1].state = "opening"
     sharing.evict_if_forked(prefix)

@@ -182,7 +182,6 @@ def test_a_run_dropped_while_its_prompt_is_in_flight_stays_ended(tiny_llama_dir)
     (it does not start decoding); the other run finishes and nothing is counted twice."""
     from aaflow.runtime import prompt_builders
     from aaflow.runtime.agent_state import namespaced
-    from aaflow.runtime.dropping import drop
     from aaflow.runtime.executor import workflow_agents
     from aaflow.runtime.scheduler import Scheduler
     from aaflow.runtime.sim_backend import SimBackend
@@ -207,7 +206,7 @@ def test_a_run_dropped_while_its_prompt_is_in_flight_stays_ended(tiny_llama_dir)
     while scheduler.launch() and not in_flight(ended):
         scheduler.process(backend.wait(list(scheduler.queues.inflight), 1, 1.0)[0])
     assert in_flight(ended)
-    drop(scheduler, list(ended.values()))
+    scheduler.drop(list(ended.values()))
     while scheduler.launch():
         scheduler.process(backend.wait(list(scheduler.queues.inflight), 1, 1.0)[0])
     assert scheduler.unfinished == 0

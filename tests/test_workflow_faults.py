@@ -34,6 +34,46 @@ def test_a_replica_killed_mid_decode_is_recovered_with_identical_output(fresh_cl
     assert any("died" in e for e in res.events) and sum(a.restarts for a in res.agents.values()) >= 1
 
 
+def test_a_replica_restarted_between_two_calls_is_recovered_with_identical_output(tiny_llama_dir):
+    """Ray restarts a killed replica (empty) before the scheduler's next call reaches it: the call
+    finds no session (`SessionLostError`; it was a KeyError that failed the run, seen in the chaos
+    test under load); the replica counts as lost and its agents are recomputed, with text's tokens."""
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from benchmarks.chaos_bench import replica_processes
+
+    model = str(tiny_llama_dir)
+    cluster = af.init(replicas={model: 1}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20, restarts=-1)
+    try:
+        wf = chain(model)
+        expected = {n: a.token_ids for n, a in af.run(wf, cluster, strategy="text").agents.items()}
+        killed: list[int] = []
+
+        def kill_and_wait_for_the_restart(_agent, _token) -> None:  # runs in the loop, between two calls
+            if killed:
+                return
+            killed.extend(replica_processes())
+            os.kill(killed[0], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(cluster.replicas()[0].actor.info.remote(), timeout=60)
+                    return  # the restarted replica answers
+                except ray.exceptions.RayActorError:
+                    time.sleep(0.2)
+
+        res = af.run(wf, cluster, strategy="text", on_token=kill_and_wait_for_the_restart, call_timeout_s=60)
+        assert killed and set(replica_processes()) != set(killed)
+        assert {n: a.token_ids for n, a in res.agents.items()} == expected
+        assert any("died" in e for e in res.events) and sum(a.restarts for a in res.agents.values()) >= 1
+    finally:
+        cluster.shutdown()
+
+
 def test_a_failed_transfer_falls_back_to_recompute(fresh_cluster):
     import ray
 

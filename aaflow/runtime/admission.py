@@ -6,7 +6,7 @@ or starts over. An agent that does not fit waits in its replica's queue, in the 
 placed (upstream agents are placed before the agents reading them, so a waiting producer is never
 overtaken by its consumers); each release admits from the head of the queue. An agent that would
 not fit even alone is admitted when its replica holds no other reservation (its output may stop
-early); a real shortage is then handled by preemption (`Recovery.kv_short`).
+early); a real shortage is then handled by preemption (`Recovery.failure`).
 
 Agents on one replica whose prompts start with the same static prefix (chat header and leading
 contexts) hold its full blocks once, through the prefix cache or a fork: those blocks are reserved
@@ -113,13 +113,22 @@ class Admission:
         self.reserved[replica] -= blocks
         if key is not None:
             self._drop_holder(replica, key)
-        for name in [n for n, r in self.gated.items() if r == replica]:
-            del self.gated[name]
+        self.ungate(replica)
         return self._admit_waiting(replica)
 
     def gate(self, agent: AgentState) -> None:
         """`agent` was preempted on its replica: it is admitted there again only after a release."""
         self.gated[agent.name] = agent.replica
+
+    def ungate(self, replica: str) -> None:
+        """Something was released on `replica` (or it came back empty): its preempted agents may be
+        admitted there again."""
+        for name in [n for n, r in self.gated.items() if r == replica]:
+            del self.gated[name]
+
+    def drop(self, agent: AgentState) -> None:
+        """`agent`'s run ended: it waits for no release."""
+        self.gated.pop(agent.name, None)
 
     def head(self) -> AgentState | None:
         """The agent at the head of the first live replica's queue, or None when nobody waits: what

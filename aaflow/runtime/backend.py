@@ -18,6 +18,11 @@ class ReplicaLostError(AAFlowError, RuntimeError):
     """A call's replica died; its sessions and refs are gone."""
 
 
+class SessionLostError(ReplicaLostError):
+    """A replica has no session of that id: Ray restarted it (empty) since the session opened, so
+    it lost its KV as a replica that died does."""
+
+
 @dataclass(frozen=True)
 class ReplicaInfo:
     """What the scheduler knows of a replica: where it runs, on how many threads, and how many KV

@@ -18,25 +18,31 @@ prefill sent while other built-in replicas of its node idle runs on their thread
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from aaflow.errors import KVRefFreedError
-from aaflow.runtime.backend import Backend, ReplicaLostError, Ticket
-from aaflow.runtime.calls import Call, CallKind, MixedCall, StepCall, StepsCall
+from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.backend import ReplicaLostError, Ticket
+from aaflow.runtime.calls import Call, CallKind, MixedCall, PrefillCall, StepCall, StepsCall
 from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
 from aaflow.runtime.packing import Queued, pack_prefills
+from aaflow.runtime.scheduler_state import SchedulerState
 from aaflow.runtime.step_groups import steps_per_call, stops
 
-if TYPE_CHECKING:
-    from aaflow.runtime.scheduler import Scheduler
+Decoded = Callable[[list[AgentState], list[list[int]], list[float]], None]  # see CallQueues
 
 
 class CallQueues:
-    """Owns the per-replica queues and the calls in flight; launches what may run."""
+    """Owns the per-replica queues and the calls in flight; launches what may run. It reads the
+    scheduler's `state`; the tokens of the decode steps it starts go to `decoded(agents, each
+    agent's tokens, each step's end in seconds into the call)`; `waiting_for_prefix()` names (ids)
+    the agents waiting for a shared prefix to arrive."""
 
-    def __init__(self, scheduler: Scheduler, backend: Backend, lend_cores: bool) -> None:
-        self.scheduler, self.backend, self.lend_cores = scheduler, backend, lend_cores
-        self.replicas = {r.name: r for r in backend.replicas()}
+    def __init__(self, state: SchedulerState, lend_cores: bool, decoded: Decoded,
+                 waiting_for_prefix: Callable[[], set[int]] = set) -> None:
+        self.state, self.backend, self.lend_cores = state, state.backend, lend_cores
+        self.decoded, self.waiting_for_prefix = decoded, waiting_for_prefix
+        self.replicas = {r.name: r for r in state.replicas}
         self.queues: dict[str, deque[Queued]] = {name: deque() for name in self.replicas}
         self.inflight: dict[Ticket, Callable] = {}  # ticket -> what to do with its value
         self.running: dict[str, set[Ticket]] = {}  # replica -> its calls in flight
@@ -50,7 +56,7 @@ class CallQueues:
     def drain(self, timeout_s: float) -> None:
         """Run what is still queued once every agent has ended (session closes, releases, the shared
         prefixes' frees), so that no KV outlives the run; each round waits for every call in flight."""
-        dead = self.scheduler.dead
+        dead = set(self.state.dead)  # those found dead meanwhile are named in the log
         while any(self.queues[r] for r in self.queues if r not in dead) or self.inflight:
             self.launch()
             ready = self.backend.wait(list(self.inflight), len(self.inflight), timeout_s)
@@ -62,16 +68,17 @@ class CallQueues:
                     then(self.backend.result(ticket))
                 except ReplicaLostError:  # died after its agents finished: nothing to free
                     dead.add(ticket.replica)
+                    self.state.note(f"replica {ticket.replica} died after its agents ended")
                 except KVRefFreedError:
-                    self.scheduler.recovery.free_found_nothing(ticket.replica)
+                    self.state.note(f"{ticket.replica} was restarted: no prefix left to free")
 
     def launch(self) -> None:
         """Start a call on every live replica that has none in flight and something to do."""
-        dead = self.scheduler.dead
+        dead = self.state.dead
         for name in self.replicas:
             if name in self.running or name in dead:
                 continue
-            decoding = list(self.scheduler.decoding[name])
+            decoding = list(self.state.decoding[name])
             queue = self.queues[name]
             if queue and queue[0][0].kind.bookkeeping:  # not a turn: the next launch still alternates
                 while queue and queue[0][0].kind.bookkeeping:
@@ -83,10 +90,10 @@ class CallQueues:
             elif decoding and queue and queue[0][0].kind is CallKind.PREFILL:  # decode and prefill in one pass
                 pack, answer = self._pack(name, always=True)
                 call = MixedCall([a.sid for a in decoding], pack.requests)
-                self._start(name, call, lambda out, ds=decoding, a=answer: self._on_mixed(ds, a, out))
+                self._start(name, call, lambda out, ds=decoding, c=call, a=answer: self._on_mixed(ds, c.sids, a, out))
             elif decoding and (not queue or not self.last_kind.get(name, CallKind.OPEN).steps):
                 only = len(self.replicas) - len(dead) == 1
-                steps = 1 if queue else steps_per_call(decoding, self.scheduler.streaming_readers, only)
+                steps = 1 if queue else steps_per_call(decoding, self.state.streaming_readers, only)
                 self._step(name, decoding, steps)
             elif queue:
                 call, then = self._pack(name) if queue[0][0].kind is CallKind.PREFILL else queue.popleft()
@@ -96,10 +103,16 @@ class CallQueues:
         """One decode step of `decoding`, or a group of `steps` in one call."""
         sids = [a.sid for a in decoding]
         if steps == 1:
-            self._start(name, StepCall(sids), lambda tokens: self.scheduler.on_step(decoding, tokens))
+            self._start(name, StepCall(sids), lambda tokens: self._stepped(decoding, sids, [[t] for t in tokens], [0.0]))
         else:
-            call = StepsCall(sids, steps, stops(decoding, self.scheduler.eos))
-            self._start(name, call, lambda out: self.scheduler.on_steps(decoding, *out))
+            call = StepsCall(sids, steps, stops(decoding, self.state.eos))
+            self._start(name, call, lambda out: self._stepped(decoding, sids, *out))
+
+    def _stepped(self, decoding: list[AgentState], sids: list[str], tokens: list[list[int]], ends: list[float]) -> None:
+        """Steps of sessions `sids` ended: their tokens go on, but those of agents that started over
+        meanwhile (the session is not theirs any more)."""
+        current = [row if a.sid == sid else [] for a, sid, row in zip(decoding, sids, tokens)]
+        self.decoded(decoding, current, ends)
 
     def _start(self, name: str, call: Call, then: Callable | None) -> None:
         ticket = self.backend.submit(name, call)
@@ -117,6 +130,14 @@ class CallQueues:
                 del self.running[ticket.replica]
         return self.inflight.pop(ticket) or _ignore
 
+    def discard_prefills(self, replica: str, sid: str) -> None:
+        """Forget the prompt segments queued on `replica` for session `sid` (its run ended)."""
+        queue = self.queues.get(replica)
+        if queue:
+            kept = [q for q in queue if not (isinstance(q[0], PrefillCall) and q[0].sid == sid)]
+            queue.clear()
+            queue.extend(kept)
+
     def drop_replica(self, name: str) -> None:
         """A replica died: forget its queue and its calls in flight."""
         self.queues[name].clear()
@@ -133,27 +154,26 @@ class CallQueues:
         if not lent:
             return call
         own = self.replicas[name].threads
-        self.scheduler.events.append(f"{self.backend.now():.2f}s {name} prefills {tokens} tokens on {own + lent} "
-                                     f"threads ({lent} lent by idle replicas)")
+        self.state.note(f"{name} prefills {tokens} tokens on {own + lent} threads ({lent} lent by idle replicas)")
         return call.with_threads(own + lent)
 
     def _idle_replicas(self) -> set[str]:
         """Replicas with no call in flight (those launched so far included) or queued, whose
         unfinished agents all wait for a shared prefix: nothing can reach them during a prefill."""
-        waiting = self.scheduler.prefixes.waiting_agents()
+        waiting = self.waiting_for_prefix()
         return {name for name in self.replicas
-                if name not in self.running and name not in self.scheduler.dead and not self.queues[name]
-                and all(a.state == "done" or id(a) in waiting for a in self.scheduler.placed[name])}
+                if name not in self.running and name not in self.state.dead and not self.queues[name]
+                and all(a.state == "done" or id(a) in waiting for a in self.state.placed[name])}
 
-    def _on_mixed(self, decoding: list, answer_prefills, out: tuple[list[int], list[dict]]) -> None:
-        self.scheduler.on_step(decoding, out[0])
+    def _on_mixed(self, decoding: list, sids: list[str], answer_prefills, out: tuple[list[int], list[dict]]) -> None:
+        self._stepped(decoding, sids, [[t] for t in out[0]], [0.0])
         answer_prefills(out[1])
 
     def _pack(self, name: str, always: bool = False) -> Queued:
         """The queue's first call (a prompt segment) with the others that pack with it; with
         `always`, as a PACK call even when it goes alone."""
         queue = self.queues[name]
-        return pack_prefills(queue.popleft(), queue, self.scheduler.fresh_sids, always)
+        return pack_prefills(queue.popleft(), queue, self.state.fresh_sids, always)
 
 
 def _ignore(_value) -> None:

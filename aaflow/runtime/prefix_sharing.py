@@ -4,30 +4,30 @@ it; an evict node evicts it (`operators.evict`: its blocks leave the pool, a lat
 from lineage) once its agents have forked it; it is freed when no pending agent reads it. A failed
 transfer falls back to recomputing the prefix where it was going. Whether a replica that lacks a
 prefix waits for it to be moved or computes it itself, the cost model says where it can
-(`aaflow.runtime.prefix_costs`). A prefix that a compose node
-asks to compose approximately is made of its contexts, each materialized alone (so the prefix cache
-serves it wherever it was computed before), composed on the replica (`operators.compose`); the
-agents forking it carry the compose's FidelityReport."""
+(`aaflow.runtime.prefix_costs`). A prefix that a compose node asks to compose approximately is
+made of its parts (`prefix_compose`); the agents forking it carry the compose's FidelityReport."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from aaflow.runtime.calls import ComposeCall, EvictCall, FreeCall, MaterializeCall, OpenCall
+from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.calls import Call, EvictCall, FreeCall, MaterializeCall, OpenCall
 from aaflow.runtime.kv_move import MoveInFlight, start_move
+from aaflow.runtime.prefix_compose import Compositions, Prefix, pieces
+from aaflow.runtime.scheduler_state import SchedulerState
 
 if TYPE_CHECKING:
-    from aaflow.runtime.agent_state import AgentState
-    from aaflow.runtime.scheduler import Scheduler
-
-Prefix = tuple  # (model, token ids, None or (compose mode, r, the parts' lengths))
-
+    from aaflow.runtime.call_queues import CallQueues
 
 class PrefixSharing:
-    """Owns which replica holds which shared prefix, who waits for one and what is in transit."""
+    """Owns which replica holds which shared prefix, who waits for one and what is in transit.
+    It reads the scheduler's `state` and sends its calls through `queues`; an agent whose session
+    opened on a fork of its prefix is handed to `forked(agent, replica, session id, prefix length)`."""
 
-    def __init__(self, scheduler: Scheduler, transport: str | None) -> None:
-        self.scheduler, self.queues, self._transport = scheduler, scheduler.queues, transport
+    def __init__(self, state: SchedulerState, queues: CallQueues, transport: str | None,
+                 forked: Callable[[AgentState, str, str, int], None]) -> None:
+        self.state, self.queues, self._transport, self.forked = state, queues, transport, forked
         self.refs: dict[Prefix, dict[str, str]] = {}  # prefix -> {replica: ref id}
         self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
         self.transferring: dict[tuple, MoveInFlight] = {}  # prefix + (dest,) -> its move
@@ -35,7 +35,7 @@ class PrefixSharing:
         self.origin_since: dict[Prefix, float] = {}  # prefix -> when its origin was asked to materialize it
         self.computing_here: set[tuple] = set()  # prefix + (replica,): being computed there (nothing is moved there)
         self._costs, self._costs_asked = None, False
-        self.composing: dict[tuple, list] = {}  # composed prefix + (replica,) -> its parts' records so far
+        self.compositions = Compositions(queues)
         self.evicted: set[tuple] = set()  # prefix + (replica,) evicted by an evict node: a ref, not resident
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
@@ -45,15 +45,27 @@ class PrefixSharing:
     def transport(self) -> str:
         """The transport prefixes move over: the run's, else the backend's default (asked once)."""
         if self._transport is None:
-            self._transport = self.scheduler.backend.default_transport()
+            self._transport = self.state.backend.default_transport()
         return self._transport
 
     @property
     def costs(self):
         """The cost model's `PrefixCosts` for this scheduler's replicas (asked of the backend once), or None."""
         if not self._costs_asked:
-            self._costs, self._costs_asked = self.scheduler.backend.prefix_costs(), True
+            self._costs, self._costs_asked = self.state.backend.prefix_costs(), True
         return self._costs
+
+    def stop_waiting(self, agent: AgentState) -> None:
+        """`agent`'s run ended: it waits for no prefix."""
+        for key, waiting in list(self.waiters.items()):
+            if agent in waiting:
+                waiting.remove(agent)
+                if not waiting:
+                    del self.waiters[key]
+
+    def on_its_way(self, prefix: Prefix) -> bool:
+        """Something is still being computed or moved for `prefix` somewhere."""
+        return any(k[:-1] == prefix for k in self.waiters) or any(k[:-1] == prefix for k in self.transferring)
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""
@@ -68,8 +80,8 @@ class PrefixSharing:
             self.evicted.discard(prefix + (rname,))  # the fork brings it back
             agent.prefix_via = agent.prefix_via or "reuse"
             agent.result.fidelity = self.fidelity.get(prefix)
-            self.queues.call(rname, OpenCall(agent.sid, holders[rname]),
-                             then=lambda _: self.scheduler.opened(agent, prefix_len=len(prefix[1])))
+            sid = agent.sid
+            self.queues.call(rname, OpenCall(sid, holders[rname]), then=lambda _: self.forked(agent, rname, sid, len(prefix[1])))
             return
         waiting = self.waiters.setdefault(prefix + (rname,), [])
         waiting.append(agent)
@@ -83,14 +95,14 @@ class PrefixSharing:
         `may_compute` (the agent's strategy is the planner's, not one the user named) and the cost
         model says computing it on `rname` ends sooner than either."""
         holders = self.refs.setdefault(prefix, {})
-        source = next((r for r in self.queues.replicas if r in holders and r not in self.scheduler.dead), None)
+        source = next((r for r in self.queues.replicas if r in holders and r not in self.state.dead), None)
         if source is not None:
             if may_compute and self._sooner_here(prefix, 0.0):
                 self._compute_here(prefix, rname)
             else:
                 self._transfer(prefix, source, rname, holders[source])
         elif prefix not in self.origin:
-            self.origin[prefix], self.origin_since[prefix] = rname, self.scheduler.now()
+            self.origin[prefix], self.origin_since[prefix] = rname, self.state.now()
             self.computing_here.add(prefix + (rname,))
             self._materialize(prefix, rname)
         elif may_compute and self._sooner_here(prefix, self._ready_in(prefix)):
@@ -102,13 +114,13 @@ class PrefixSharing:
 
     def _ready_in(self, prefix: Prefix) -> float:
         """Seconds until the prefix's origin has computed it, as the cost model expects."""
-        elapsed = self.scheduler.now() - self.origin_since.get(prefix, self.scheduler.now())
+        elapsed = self.state.now() - self.origin_since.get(prefix, self.state.now())
         return self.costs.ready_in_s(prefix[0], len(prefix[1]), elapsed)
 
     def _compute_here(self, prefix: Prefix, rname: str) -> None:
         self.computing_here.add(prefix + (rname,))
-        self.scheduler.events.append(f"{self.scheduler.now():.2f}s computing a prefix of {len(prefix[1])} tokens on "
-                                     f"{rname}: sooner than moving it there (cost model)")
+        self.state.note(f"computing a prefix of {len(prefix[1])} tokens on {rname}: sooner than moving it there "
+                        "(cost model)")
         self._materialize(prefix, rname)
 
     def _materialize(self, prefix: Prefix, rname: str) -> None:
@@ -117,32 +129,12 @@ class PrefixSharing:
             self.queues.call(rname, MaterializeCall(list(prefix[1])),
                              then=lambda rec: self._materialized(prefix, rname, rec))
             return
-        mode, r, lengths = prefix[2]
-        parts: list = [None] * len(lengths)  # None: not made yet
-        self.composing[prefix + (rname,)] = parts
-
-        def made(i: int, record) -> None:
-            if self.composing.get(prefix + (rname,)) is not parts:  # abandoned: another part was refused
-                self.queues.call(rname, FreeCall(record.id))
-                return
-            parts[i] = record
-            if all(p is not None for p in parts):
-                self.queues.call(rname, ComposeCall([p.id for p in parts], mode, r), then=composed)
-
-        def composed(record) -> None:
-            del self.composing[prefix + (rname,)]
-            for part in parts:
-                self.queues.call(rname, FreeCall(part.id))
+        def composed(record, computed: int) -> None:
             self.fidelity[prefix] = record.fidelity
-            recomputed = record.fidelity.recomputed_tokens if record.fidelity is not None else 0
-            self._count(prefix, rname, sum(p.computed for p in parts) + recomputed)
+            self._count(prefix, rname, computed)
             self._ready(prefix, rname, record.id, 0, received=False)
 
-        start = 0
-        for i, n in enumerate(lengths):
-            self.queues.call(rname, MaterializeCall(list(prefix[1][start:start + n])),
-                             then=lambda rec, i=i: made(i, rec))
-            start += n
+        self.compositions.start(prefix, rname, composed)
 
     def _transfer(self, prefix: Prefix, source: str, dest: str, ref_id: str) -> None:
         key = prefix + (dest,)
@@ -186,14 +178,14 @@ class PrefixSharing:
         """An evict node named a context of this prefix: evict its shared KV on every replica once
         every agent that shares it has forked it (an agent restarted later forks it again: the
         replica rebuilds it from its lineage)."""
-        sharers = [a for a in self.scheduler.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
-        resident = [r for r in self.refs.get(prefix, {}) if self.resident(prefix, r) and r not in self.scheduler.dead]
+        sharers = [a for a in self.state.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
+        resident = [r for r in self.refs.get(prefix, {}) if self.resident(prefix, r) and r not in self.state.dead]
         if not resident or any(a.state in ("new", "opening") for a in sharers):
             return
         for rname in resident:
             self.queues.call(rname, EvictCall(self.refs[prefix][rname]))
             self.evicted.add(prefix + (rname,))
-        self.scheduler.events.append(f"{self.scheduler.now():.2f}s evicted a shared prefix of {len(prefix[1])} tokens")
+        self.state.note(f"evicted a shared prefix of {len(prefix[1])} tokens")
 
     def drop_held(self, rname: str) -> None:
         """Free the shared prefixes held on `rname` (calls already queued there that use them run
@@ -203,6 +195,31 @@ class PrefixSharing:
                 self.queues.call(rname, FreeCall(holders.pop(rname)))
                 if self.origin.get(prefix) == rname:
                     del self.origin[prefix]
+
+    def let_go(self) -> list[tuple[str, Call]]:
+        """After a failed run: forget every shared prefix; answers the calls that end the exposures
+        (they hold the sources' blocks) and free the prefixes and composed prefixes' parts held on
+        live replicas."""
+        dead = self.state.dead
+        calls = [(m.source, m.release_call()) for m in self.transferring.values()
+                 if m.release_call() and m.source not in dead]
+        calls += [(r, FreeCall(ref_id)) for holders in self.refs.values() for r, ref_id in holders.items() if r not in dead]
+        calls += self.compositions.let_go(dead)
+        self.transferring.clear()
+        self.refs.clear()
+        self.evicted.clear()
+        return calls
+
+    def free_unread(self, keys: set) -> int:
+        """Free the shared prefixes of `keys` that are held, that no unfinished agent of any run
+        will read (a prefix other runs' pending agents read stays: it is computed once) and that
+        nothing is on its way for. Answers how many it freed."""
+        keys = {k for k in keys if k in self.refs}
+        if not keys:
+            return 0
+        pending = {a.prefix_key for a in self.state.agents.values() if a.state != "done" and a.prefix_key in keys}
+        freed = [self.forget(key) for key in keys - pending if not self.on_its_way(key)]
+        return len(freed)
 
     def free_all(self) -> None:
         """Free every shared prefix still held (at the end of a run)."""
@@ -222,7 +239,7 @@ class PrefixSharing:
 
     def free(self, holders: dict[str, str]) -> None:
         for rname, ref_id in holders.items():
-            if rname not in self.scheduler.dead:
+            if rname not in self.state.dead:
                 self.queues.call(rname, FreeCall(ref_id))
 
     def replica_died(self, rname: str) -> None:
@@ -236,7 +253,7 @@ class PrefixSharing:
         for key, move in list(self.transferring.items()):
             if key[-1] == rname:
                 del self.transferring[key]
-                if move.release_call() and move.source not in self.scheduler.dead:  # the source still exposes it
+                if move.release_call() and move.source not in self.state.dead:  # the source still exposes it
                     self.queues.call(move.source, move.release_call())
             elif move.source == rname:  # the source died: the destination gets it another way
                 del self.transferring[key]
@@ -254,18 +271,16 @@ class PrefixSharing:
         composition's parts made so far are freed); the first of them to open again fetches or
         computes it then. [] when nothing waits for those tokens there."""
         tokens = tuple(token_ids)
-        prefix = next((p for p, origin in self.origin.items() if origin == rname and tokens in _pieces(p)), None)
+        prefix = next((p for p, origin in self.origin.items() if origin == rname and tokens in pieces(p)), None)
         if prefix is not None:
             del self.origin[prefix]
             keys = [k for k in self.waiters if k[:-1] == prefix]
         else:  # computed there after a failed transfer to it: its own waiters only
-            prefix = next((k[:-1] for k in self.waiters if k[-1] == rname and tokens in _pieces(k[:-1])), None)
+            prefix = next((k[:-1] for k in self.waiters if k[-1] == rname and tokens in pieces(k[:-1])), None)
             keys = [] if prefix is None else [prefix + (rname,)]
         if prefix is not None:
             self.computing_here.discard(prefix + (rname,))
-            for part in self.composing.pop(prefix + (rname,), []):
-                if part is not None:
-                    self.queues.call(rname, FreeCall(part.id))
+            self.compositions.abandon(prefix, rname)
         return [agent for key in keys for agent in self.waiters.pop(key)]
 
     def transfer_failed(self) -> None:
@@ -277,13 +292,3 @@ class PrefixSharing:
             self.computing_here.add(key)
             self._materialize(key[:-1], key[-1])
 
-
-def _pieces(prefix: Prefix) -> list[tuple]:
-    """The token tuples materialized for a prefix: itself, or each part of a composed one."""
-    if prefix[2] is None:
-        return [prefix[1]]
-    lengths, start, pieces = prefix[2][2], 0, []
-    for n in lengths:
-        pieces.append(tuple(prefix[1][start:start + n]))
-        start += n
-    return pieces

@@ -15,15 +15,15 @@ consumers that will not run; the failed run then frees everything it holds on th
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Callable
 
 from aaflow.errors import AAFlowError, KVCapacityError, KVRefFreedError
+from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.backend import Ticket
 from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
                                   OpenCall, ReceiveCall, ReleaseCall)
-
-if TYPE_CHECKING:
-    from aaflow.runtime.backend import Ticket
-    from aaflow.runtime.scheduler import Scheduler
+from aaflow.runtime.scheduler_state import SchedulerState
 
 CLEANUP_TIMEOUT_S = 10.0  # how long closing the sessions of a failed run may take
 MAX_PREEMPTIONS = 50  # an agent preempted this often, and for PREEMPTED_GIVE_UP_S, fails: the KV never
@@ -41,43 +41,49 @@ class AgentFailedError(AAFlowError, RuntimeError):
         self.agents = tuple(agents)
 
 
-class Recovery:
-    """What the scheduler does when a replica dies or a call fails."""
+@dataclass
+class Failure:
+    """What to do about a failed call (`Recovery.failure`): preempt these agents (close their
+    sessions, start them over once KV frees up), step the replica's decoding agents alone first,
+    recompute the prefixes in transit. Nothing of it: the failure needs nothing done."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    preempt: list[AgentState] = field(default_factory=list)
+    step_first: bool = False
+    recompute_transfers: bool = False
+
+
+class Recovery:
+    """Decides what a dead replica or a failed call costs; the scheduler carries it out. Owns how
+    often each agent was preempted and which replicas are gone for good."""
+
+    def __init__(self, state: SchedulerState, seed: str) -> None:
+        self.state = state
         self.preempted: dict[str, int] = {}  # agent -> times preempted
         self.gone: set[str] = set()  # dead replicas that will not be restarted
         self.preempted_since: dict[str, float] = {}  # agent -> when it was first preempted
-        self.jitter = random.Random(scheduler.run_id)
+        self.jitter = random.Random(seed)
 
-    def cleanup(self) -> None:
-        """After a failure: let the calls in flight end, then close every session still open, end
-        every exposure and free every shared prefix (or composed prefix's part) the run holds on a
-        live replica (bounded waits), so that a failed run leaves no KV behind for the runs that
-        share its replicas."""
-        s = self.scheduler
-        calls = self._made_in_flight()
+    def forget(self, name: str) -> None:
+        """An agent's run ended: drop its counts."""
+        self.preempted.pop(name, None)
+        self.preempted_since.pop(name, None)
+
+    def cleanup(self, inflight: list[Ticket], held: list[tuple[str, Call]]) -> None:
+        """After a failure: let the calls in flight end, then close every session still open and
+        make the `held` calls (the shared prefixes' frees and releases), bounded waits, so that a
+        failed run leaves no KV behind for the runs that share its replicas."""
+        s = self.state
+        calls = self._made_in_flight(inflight)
         calls += [(a.replica, CloseCall(a.sid)) for a in s.agents.values()
-                 if a.replica is not None and a.replica not in s.dead and a.state != "done"]
-        calls += [(move.source, move.release_call()) for move in s.prefixes.transferring.values()
-                  if move.release_call() and move.source not in s.dead]  # an exposure holds the source's blocks
-        calls += [(rname, FreeCall(ref_id)) for holders in s.prefixes.refs.values()
-                  for rname, ref_id in holders.items() if rname not in s.dead]
-        calls += [(key[-1], FreeCall(part.id)) for key, parts in s.prefixes.composing.items()
-                  for part in parts if part is not None and key[-1] not in s.dead]
-        s.prefixes.composing.clear()
-        s.prefixes.transferring.clear()
-        s.prefixes.refs.clear()
-        s.prefixes.evicted.clear()
-        tickets = [s.backend.submit(rname, call) for rname, call in calls]
+                  if a.replica is not None and a.replica not in s.dead and a.state != "done"]
+        tickets = [s.backend.submit(rname, call) for rname, call in calls + held]
         s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
 
-    def _made_in_flight(self) -> list[tuple[str, Call]]:
+    def _made_in_flight(self, inflight: list[Ticket]) -> list[tuple[str, Call]]:
         """Wait (bounded) for the run's calls still in flight and name what their results hold on a
         replica (a new ref, an exposure), for cleanup to free it too."""
-        s = self.scheduler
-        pending = [t for t in s.queues.inflight if t.replica not in s.dead]
+        s = self.state
+        pending = [t for t in inflight if t.replica not in s.dead]
         frees = []
         for ticket in s.backend.wait(pending, len(pending), CLEANUP_TIMEOUT_S) if pending else []:
             try:
@@ -92,54 +98,42 @@ class Recovery:
                 frees.append((ticket.replica, ReleaseCall(value[0], call.transport)))
         return frees
 
-    def _restart(self, agent, gate: bool = False) -> None:
-        """Start an agent over from its prompt (its lineage) on a live replica; `gate`: only once
-        something on that replica has ended (it was preempted for lack of KV)."""
-        s = self.scheduler
-        if agent in s.decoding[agent.replica]:
-            s.decoding[agent.replica].remove(agent)
-        s.release_kv(agent)
-        if gate:
-            s.admission.gate(agent)
-        agent.restart()
-        s.open_if_ready(agent)
-
-    def _restart_with_readers(self, agent, lost=(), gate: bool = False) -> None:
-        """Restart `agent` and the consumers that streamed its tokens (they will be produced again)."""
-        s = self.scheduler
-        self._restart(agent, gate)
-        for name in agent.consumers:
-            consumer = s.agents[name]
-            if consumer.state not in ("new", "admitting", "done") and consumer not in lost and consumer.fed:
-                s.queues.call(consumer.replica, CloseCall(consumer.sid))
-                self._restart(consumer)
-
-    def backoff_s(self, agent) -> float:
+    def backoff_s(self, agent: AgentState) -> float:
         """How long a preempted agent waits before it is tried again while nothing of its run is in
         flight (the KV is held by other runs or pins): doubling from 50 ms up to 2 s, jittered so
         that runs waiting on each other do not retry in step."""
         base = min(MAX_BACKOFF_S, 0.05 * 2 ** max(0, self.preempted.get(agent.name, 1) - 1))
         return base * self.jitter.uniform(0.5, 1.5)
 
-    def yield_kv(self, rname: str, keep) -> None:
+    def yield_victims(self, rname: str, keep: AgentState) -> list[AgentState]:
         """Nothing of the run runs and `keep` waits for room on `rname` that other runs hold: the
-        run's sessions and shared prefixes there give their KV back too (they start over later),
-        so that runs holding KV while waiting for each other cannot wait forever."""
-        s = self.scheduler
-        for agent in [a for a in s.placed[rname] if a.state in ("open", "decoding") and a is not keep]:
+        run's sessions there give their KV back (they start over later), and so do its shared
+        prefixes, so that runs holding KV while waiting for each other cannot wait forever."""
+        victims = [a for a in self.state.placed[rname] if a.state in ("open", "decoding") and a is not keep]
+        for agent in victims:
             self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
-            s.events.append(f"{s.now():.2f}s preempted {agent.name} on {rname}: it holds KV while other runs "
-                            "hold what its run needs; it starts over later")
-            s.queues.call(rname, CloseCall(agent.sid))
-            self._restart_with_readers(agent, gate=True)
-        s.prefixes.drop_held(rname)
+            self.state.note(f"preempted {agent.name} on {rname}: it holds KV while other runs hold what its run "
+                            "needs; it starts over later")
+        return victims
 
-    def kv_short(self, ticket: Ticket, exc: KVCapacityError) -> None:
+    def failure(self, ticket: Ticket, exc: BaseException,
+                refused_prefix: Callable[[str, list[int]], list[AgentState]]) -> Failure:
+        """What to do about `ticket`'s call failing with `exc`. `refused_prefix(replica, tokens)`
+        hands back the agents waiting for a shared prefix whose materialize was refused. Raises
+        AgentFailedError when agents fail (the call was theirs, or preempting does not help)."""
+        if isinstance(ticket.call, FreeCall) and isinstance(exc, KVRefFreedError):
+            self.state.note(f"{ticket.replica} was restarted: no prefix left to free")
+            return Failure()
+        if isinstance(exc, KVCapacityError) and not ticket.call.kind.transfers:
+            return self._kv_short(ticket, exc, refused_prefix)
+        if ticket.call.kind.transfers:  # fall back to recomputing the prefix where it was going
+            self.state.note(f"transfer via {ticket.replica} failed ({exc}); recomputing instead")
+            return Failure(recompute_transfers=True)
+        return self._failed(ticket, exc)
+
+    def _kv_short(self, ticket: Ticket, exc: KVCapacityError, refused_prefix) -> Failure:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
-        s = self.scheduler
-        call = ticket.call
-        if isinstance(call, MixedCall):  # its decode step did not run either: the next call steps alone
-            s.queues.step_first.add(ticket.replica)
+        s, call = self.state, ticket.call
         on_replica = {a.sid: a for a in s.agents.values() if a.replica == ticket.replica and a.state != "done"}
         if call.kind.steps and not call.requests:
             decoding = [on_replica[sid] for sid in call.sessions if sid in on_replica]
@@ -149,38 +143,40 @@ class Recovery:
             if isinstance(call, OpenCall) and call.sid in on_replica:
                 victims = [on_replica[call.sid]]
             if isinstance(call, MaterializeCall):
-                victims = s.prefixes.materialize_refused(ticket.replica, call.token_ids)
+                victims = refused_prefix(ticket.replica, call.token_ids)
         if not victims:
-            self.call_failed(ticket, exc, preempt=False)
-            return
+            self._failed(ticket, exc)
         for agent in victims:
             count = self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
             since = self.preempted_since.setdefault(agent.name, s.now())
             if count > MAX_PREEMPTIONS and s.now() - since > PREEMPTED_GIVE_UP_S:
-                self.call_failed(ticket, exc, preempt=False)
-            s.events.append(f"{s.now():.2f}s preempted {agent.name} on {ticket.replica} ({exc}); "
-                            "it starts over when KV frees up there")
-            if agent.state != "opening":  # an agent waiting for a shared prefix has no session yet
-                s.queues.call(agent.replica, CloseCall(agent.sid))
-            self._restart_with_readers(agent, gate=True)
+                self._failed(ticket, exc)
+            s.note(f"preempted {agent.name} on {ticket.replica} ({exc}); it starts over when KV frees up there")
+        return Failure(preempt=victims, step_first=isinstance(call, MixedCall))  # a refused mixed step did not step
 
-    def replica_died(self, rname: str) -> None:
-        s = self.scheduler
-        s.events.append(f"{s.now():.2f}s replica {rname} died; recomputing its agents elsewhere")
-        s.dead.add(rname)
-        s.queues.drop_replica(rname)
-        s.prefixes.replica_died(rname)
-        lost = [a for a in s.placed[rname] if a.state != "done"]
-        for agent in lost:
-            self._restart_with_readers(agent, lost)
+    def _failed(self, ticket: Ticket, exc: BaseException) -> Failure:
+        """The agents of the call (or of its replica) failed: raise, naming them and their consumers;
+        a call of runs that ended already fails nobody."""
+        s = self.state
+        sessions = set(ticket.call.sessions)
+        if sessions and sessions <= s.dropped_sids:  # nobody waits for it
+            return Failure()
+        involved = [a.name for a in s.agents.values() if a.sid in sessions and a.replica == ticket.replica]
+        failed = involved or [a.name for a in s.placed[ticket.replica] if a.state != "done"]
+        waiting = sorted({c for name in failed for c in s.agents[name].consumers})
+        raise AgentFailedError(
+            f"agent(s) {failed} on replica {ticket.replica} failed: {type(exc).__name__}: {exc}; "
+            f"their consumers {waiting} were stopped", [*failed, *waiting]
+        ) from exc
 
-    def live_replicas(self, model: str) -> list[str]:
-        """The live replicas of `model`, taking back lost ones that were restarted meanwhile; when
-        none lives, wait (up to REVIVE_WAIT_S) for one to come back."""
-        s = self.scheduler
+    def live_replicas(self, model: str) -> tuple[list[str], list[str]]:
+        """The live replicas of `model`, and the lost ones Ray restarted meanwhile (empty: they take
+        agents again once the scheduler has forgotten what they held); when none lives, wait (up to
+        REVIVE_WAIT_S) for one to come back."""
+        s = self.state
         lost = [r.name for r in s.replicas if r.model == model and r.name in s.dead and r.name not in self.gone]
         deadline = s.now() + REVIVE_WAIT_S
-        timeout = 0.0  # a first look without waiting
+        timeout, revived = 0.0, []  # a first look without waiting
         while True:
             for rname in list(lost):
                 back = s.backend.revived(rname, timeout / max(1, len(lost)))
@@ -189,48 +185,8 @@ class Recovery:
                 if back is not False:
                     lost.remove(rname)
                 if back:
-                    self._revived(rname)
-            alive = [r.name for r in s.replicas if r.model == model and r.name not in s.dead]
+                    revived.append(rname)
+            alive = [r.name for r in s.replicas if r.model == model and (r.name not in s.dead or r.name in revived)]
             if alive or not lost or s.now() >= deadline:
-                return alive
+                return alive, revived
             timeout = 1.0
-
-    def _revived(self, rname: str) -> None:
-        """A lost replica was restarted (empty): it takes agents again; its agents were restarted
-        elsewhere when it died."""
-        s = self.scheduler
-        s.events.append(f"{s.now():.2f}s replica {rname} is back; placing agents on it again")
-        s.dead.discard(rname)
-        s.placed[rname] = [a for a in s.placed[rname] if a.state == "done"]
-        s.load[rname], s.decoding[rname] = 0, []
-        for name in [n for n, r in s.admission.gated.items() if r == rname]:
-            del s.admission.gated[name]
-
-    def free_found_nothing(self, rname: str) -> None:
-        """A free answered KVRefFreedError: the replica died and Ray restarted it since the ref was
-        made, and the ref went with it; there is nothing left to free."""
-        s = self.scheduler
-        s.events.append(f"{s.now():.2f}s {rname} was restarted: no prefix left to free")
-
-    def call_failed(self, ticket: Ticket, exc: BaseException, preempt: bool = True) -> None:
-        s = self.scheduler
-        if isinstance(ticket.call, FreeCall) and isinstance(exc, KVRefFreedError):
-            self.free_found_nothing(ticket.replica)
-            return
-        if preempt and isinstance(exc, KVCapacityError) and not ticket.call.kind.transfers:
-            self.kv_short(ticket, exc)
-            return
-        if ticket.call.kind.transfers:  # fall back to recomputing the prefix where it was going
-            s.events.append(f"{s.now():.2f}s transfer via {ticket.replica} failed ({exc}); recomputing instead")
-            s.prefixes.transfer_failed()
-            return
-        sessions = set(ticket.call.sessions)
-        if sessions and sessions <= s.dropped_sids:  # a call of runs that ended already: nobody waits for it
-            return
-        involved = [a.name for a in s.agents.values() if a.sid in sessions and a.replica == ticket.replica]
-        failed = involved or [a.name for a in s.placed[ticket.replica] if a.state != "done"]
-        waiting = sorted({c for name in failed for c in s.agents[name].consumers})
-        raise AgentFailedError(
-            f"agent(s) {failed} on replica {ticket.replica} failed: {type(exc).__name__}: {exc}; "
-            f"their consumers {waiting} were stopped", [*failed, *waiting]
-        ) from exc

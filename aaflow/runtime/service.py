@@ -10,7 +10,7 @@ of any run reads it). Agents are named `<run>/<agent>` inside the loop; results 
 workflow's names and count times from the run's arrival.
 
 A run that fails (one of its agents failed), is cancelled or passes its `timeout_s` ends alone
-(`aaflow.runtime.dropping`): its sessions close, its queued work goes, the other runs go on.
+(`Scheduler.drop`): its sessions close, its queued work goes, the other runs go on.
 Replica deaths and KV shortages are handled as in a single run (`Recovery`).
 """
 
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from aaflow.errors import AAFlowError
 from aaflow.runtime.agent_state import AgentState, namespaced
 from aaflow.runtime.calls import CloseCall
-from aaflow.runtime.dropping import drop, free_unread, free_unread_prefixes
 from aaflow.runtime.executor import collect
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
 from aaflow.runtime.recovery import AgentFailedError
@@ -133,7 +132,7 @@ class RunService:
                 message = self._inbox.get()
                 if message[0] == "run":
                     message[1].handle._end(None, RunCancelledError("the cluster's scheduler was stopped"))
-        s.recovery.cleanup()
+        s.cleanup()
 
     def _turn(self) -> None:
         """Launch what may run and hand on one ended call; end runs that cannot progress."""
@@ -167,7 +166,7 @@ class RunService:
         due = {k for k, until in self.kept.items() if until <= now}
         for key in due:
             del self.kept[key]
-        free_unread(self.scheduler, due)
+        self.scheduler.prefixes.free_unread(due)
         return min(self.kept.values()) - now if self.kept else None
 
     def _take(self, block: bool, timeout_s: float | None = None) -> None:
@@ -219,8 +218,8 @@ class RunService:
     def _end(self, run: _Run, error: BaseException) -> None:
         """A run failed or was cancelled: drop its agents, free its shared prefixes."""
         agents = list(run.agents.values())
-        drop(self.scheduler, agents)
-        free_unread_prefixes(self.scheduler, agents)
+        self.scheduler.drop(agents)
+        self.scheduler.prefixes.free_unread(_prefixes_of(agents))
         run.ended, run.error = True, error
 
     def _reap(self) -> None:
@@ -230,13 +229,13 @@ class RunService:
             if not run.ended and all(a.state == "done" for a in run.agents.values()):
                 agents = list(run.agents.values())
                 self._keep(run)
-                free_unread_prefixes(s, agents, self.kept)
+                s.prefixes.free_unread(_prefixes_of(agents, self.kept))
                 end = max((a.end_s for a in agents), default=s.now())
                 shared = sum(s.prefixes.computed_for.pop(name, 0) for name in run.agents)
                 run.result = collect(run.workflow, run.agents, run.builders, run.strategy, end - run.start_s,
                                      [], shared, start_s=run.start_s, prefix=run.id + "/")
                 run.ended = True
-            if run.ended and free_unread_prefixes(s, list(run.agents.values()), self.kept):
+            if run.ended and s.prefixes.free_unread(_prefixes_of(run.agents.values(), self.kept)):
                 run.closing = None  # a prefix it asked for arrived since: close again behind its free
             if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
                 run.closing = closing = {r for r in s.queues.replicas if r not in s.dead}
@@ -300,3 +299,8 @@ def service_for(cluster, chunk_tokens: int = 16, call_timeout_s: float = 300.0, 
 
 
 _SERVICES_LOCK = threading.Lock()
+
+
+def _prefixes_of(agents, kept=()) -> set:
+    """The shared prefixes `agents` forked, but those in `kept`."""
+    return {a.prefix_key for a in agents if a.prefix_key not in kept}
