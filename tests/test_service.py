@@ -177,24 +177,55 @@ def test_smollm2_burst_from_threads_completes_with_each_workflows_own_tokens(smo
         cluster.shutdown()
 
 
-def test_a_run_dropped_while_its_prompt_is_in_flight_stays_ended(tiny_llama_dir):
-    """On the simulated clock: a run ended while its prompt segment runs ignores that segment's answer
-    (it does not start decoding); the other run finishes and nothing is counted twice."""
+def _sim_scheduler(model: str):
+    """A scheduler on the simulated clock with one replica of `model`; its backend; prompt builders."""
     from aaflow.runtime import prompt_builders
-    from aaflow.runtime.agent_state import namespaced
-    from aaflow.runtime.executor import workflow_agents
     from aaflow.runtime.scheduler import Scheduler
     from aaflow.runtime.sim_backend import SimBackend
     from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
     from costmodel.model_profile import ModelProfile
 
-    model = str(tiny_llama_dir)
     compute = ComputeProfile(0.005, 1e-4, 1e-8, 0.02, 1e-4, 1e-7)
     hardware = HardwareProfile("test-box", False, "hand-built", 2e10, {"tiny": compute}, {"ray": LinkProfile(5e9)})
     backend = SimBackend([("r0", model)], hardware, {model: ModelProfile.from_folder("tiny", model, dtype="float32")},
                          "ray", 0.002)
     builders, eos, _ = prompt_builders({model})
-    scheduler = Scheduler({}, backend, eos)
+    return Scheduler({}, backend, eos), backend, builders
+
+
+def test_an_agent_started_over_while_its_session_opens_closes_that_session_and_runs_on_its_new_one(tiny_llama_dir):
+    """On the simulated clock (its replica, like a real one, fails a call on an unknown session): an
+    agent restarted (preempted, gated) while its OpenCall is in flight. That open's answer closes the
+    old session and sends nothing for it; the agent runs to its end on its new session."""
+    from aaflow.runtime.agent_state import namespaced
+    from aaflow.runtime.calls import OpenCall
+    from aaflow.runtime.executor import workflow_agents
+
+    model = str(tiny_llama_dir)
+    scheduler, backend, builders = _sim_scheduler(model)
+    agents = namespaced(workflow_agents(chain(model), builders, "text"), "x/")
+    scheduler.add(agents)
+    first = next(a for a in agents.values() if a.state != "new")
+    scheduler.launch()
+    old = first.sid
+    assert any(isinstance(t.call, OpenCall) and t.call.sid == old for t in scheduler.queues.inflight)
+    scheduler.restart(first, gate=True)
+    assert first.sid != old
+    while scheduler.launch():
+        scheduler.process(backend.wait(list(scheduler.queues.inflight), 1, 1.0)[0])
+    assert scheduler.unfinished == 0
+    assert all(a.state == "done" and a.result.decoded == a.max_tokens for a in agents.values())
+    assert not backend.sims["r0"].sessions  # the old session was closed too
+
+
+def test_a_run_dropped_while_its_prompt_is_in_flight_stays_ended(tiny_llama_dir):
+    """On the simulated clock: a run ended while its prompt segment runs ignores that segment's answer
+    (it does not start decoding); the other run finishes and nothing is counted twice."""
+    from aaflow.runtime.agent_state import namespaced
+    from aaflow.runtime.executor import workflow_agents
+
+    model = str(tiny_llama_dir)
+    scheduler, backend, builders = _sim_scheduler(model)
     ended, going = (namespaced(workflow_agents(chain(model), builders, "text"), tag) for tag in ("x/", "y/"))
     scheduler.add(ended)
     scheduler.add(going)
