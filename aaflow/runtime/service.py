@@ -20,41 +20,17 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 from aaflow.errors import AAFlowError
 from aaflow.runtime.agent_state import AgentState, namespaced
 from aaflow.runtime.calls import CloseCall
 from aaflow.runtime.executor import collect
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
+from aaflow.runtime.service_run import ServiceRun
 from aaflow.runtime.recovery import AgentFailedError
-from aaflow.runtime.results import RunResult
 from aaflow.runtime.scheduler import Scheduler
 
 TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at deadlines and cancels
-
-
-@dataclass(eq=False)
-class _Run:
-    id: str
-    workflow: object
-    agents: dict[str, AgentState]  # by their names in the loop (`<run>/<agent>`)
-    builders: dict
-    strategy: str
-    events: list[str]
-    on_token: object = None
-    on_agent: object = None
-    timeout_s: float | None = None
-    planning_s: float = 0.0
-    keep_prefix_s: float | None = None  # its shared prefixes are kept this long after it ends
-    called: float = 0.0  # perf_counter when the client called
-    handle: RunHandle = None
-    start_s: float = 0.0  # loop time when the loop took it
-    first_event: int = 0  # the loop's events from here on are its
-    ended: bool = False
-    closing: set | None = None  # replicas yet to answer the no-op close queued behind the run's last calls
-    error: BaseException | None = None
-    result: RunResult | None = field(default=None, repr=False)
 
 
 class RunService:
@@ -67,13 +43,13 @@ class RunService:
                                    transport=transport, lend_cores=lend_cores, on_token=self._on_token,
                                    on_done=self._on_done)
         self.call_timeout_s = call_timeout_s
-        self.runs: dict[str, _Run] = {}
-        self._owner: dict[str, _Run] = {}  # loop name of an agent -> its run
+        self.runs: dict[str, ServiceRun] = {}
+        self._owner: dict[str, ServiceRun] = {}  # loop name of an agent -> its run
         self._inbox: queue.Queue = queue.Queue()
         self._ids = itertools.count(1)
         self._stopped = False
         self._closing = threading.Lock()  # a submit either reaches the loop or is refused once it stops
-        self._raised: list[tuple[_Run, BaseException]] = []  # runs whose callbacks raised, ended after the call
+        self._raised: list[tuple[ServiceRun, BaseException]] = []  # runs whose callbacks raised, ended after the call
         self._progress_s = 0.0  # loop time a call last ended
         self.kept: dict[tuple, float] = {}  # shared prefix key -> loop time it is kept until (`keep_prefix_s`)
         self.cpu_s = 0.0  # CPU seconds the loop's thread has used (waiting on replicas uses none)
@@ -87,7 +63,7 @@ class RunService:
         """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once.
         `planning_s` and `called` (`time.perf_counter()` when the client called) go to the result."""
         run_id = f"r{next(self._ids)}"
-        run = _Run(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
+        run = ServiceRun(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
                    on_token, on_agent, timeout_s, planning_s=planning_s, keep_prefix_s=keep_prefix_s,
                    called=time.perf_counter() if called is None else called)
         run.handle = RunHandle(self, run_id)
@@ -215,7 +191,7 @@ class RunService:
                 error.__cause__ = exc.__cause__
                 self._end(run, error)
 
-    def _end(self, run: _Run, error: BaseException) -> None:
+    def _end(self, run: ServiceRun, error: BaseException) -> None:
         """A run failed or was cancelled: drop its agents, free its shared prefixes."""
         agents = list(run.agents.values())
         self.scheduler.drop(agents)
@@ -258,7 +234,7 @@ class RunService:
             if len(s.events) > 10_000:
                 s.events.clear()
 
-    def _keep(self, run: _Run) -> None:
+    def _keep(self, run: ServiceRun) -> None:
         """Its shared prefixes are kept `keep_prefix_s` from now (the longest of every run's keep)."""
         if run.keep_prefix_s:
             until = self.scheduler.now() + run.keep_prefix_s
@@ -268,20 +244,21 @@ class RunService:
     def _on_token(self, name: str, token: int) -> None:
         run = self._owner.get(name)
         if run is not None and run.on_token is not None:
-            try:
-                run.on_token(name.removeprefix(run.id + "/"), token)
-            except Exception as exc:  # noqa: BLE001 - the client's code: its run fails with it
-                self._raised.append((run, exc))
+            self._call_client(run, run.on_token, name.removeprefix(run.id + "/"), token)
 
     def _on_done(self, name: str) -> None:
         run = self._owner.get(name)
         if run is not None and run.on_agent is not None:
             agent = run.agents[name]
             text = run.builders[agent.model].tokenizer.decode(agent.output, skip_special_tokens=True)
-            try:
-                run.on_agent(name.removeprefix(run.id + "/"), text)
-            except Exception as exc:  # noqa: BLE001 - the client's code: its run fails with it
-                self._raised.append((run, exc))
+            self._call_client(run, run.on_agent, name.removeprefix(run.id + "/"), text)
+
+    def _call_client(self, run: ServiceRun, callback, *args) -> None:
+        """Call the client's code; if it raises, its run fails with that (after the replica call)."""
+        try:
+            callback(*args)
+        except Exception as exc:  # noqa: BLE001 - the client's code
+            self._raised.append((run, exc))
 
 
 def service_for(cluster, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
