@@ -7,11 +7,12 @@ where installed), while a killer thread SIGKILLs a random replica process of thi
 random moment (at most `replicas - 1` per run, so one replica always lives). The process title
 says what the replica was doing when it died (`ray::ModelReplica.session_step`: a decode step,
 `.materialize`: a shared prefix, `.expose` / `.receive`: either side of a transfer, ...).
-Then `--targeted-rounds` rounds aim the kills: before each run one random replica is armed to
-SIGKILL itself when a call reaches a chosen point (`cluster.faults`, kind "kill"): a prefill or a
+Then `--targeted-rounds` rounds aim the kills: before each run every replica is armed to SIGKILL
+itself when a call reaches a chosen point, the first to get there only (`cluster.faults`, kind
+"kill", one claim file for all): a prefill or a
 decode step (text, stream), the shared prefix's materialize, the transfer source as it exposes the
 prefix or 0.2 s later while its peer receives, the destination as it starts to receive (transfer
-over each transport); whether it fired is read from the replica's process id.
+over each transport); whether it fired is read from the replicas' process ids.
 Checked: every run completes with `text`'s tokens within `--call-timeout-s` per call, and after
 the last run every replica holds no session, no ref and no used block, and the object store no
 object. Reported: kills by what was running / by target, runs, runs with identical output,
@@ -25,6 +26,7 @@ import argparse
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 
@@ -161,7 +163,7 @@ def chaos(cluster, model: str, doc: str, rounds: int, interval_s: float, seed: i
                 strategy, transport = plans[(t + i) % len(plans)]
                 turn = turns[(strategy, transport)] = turns.get((strategy, transport), -1) + 1
                 point = TARGETS[strategy][turn % len(TARGETS[strategy])]
-                fired = _armed_run(cluster, killer.rng, point, lambda: run_one(name, wf, strategy, transport))
+                fired = _armed_run(cluster, point, lambda: run_one(name, wf, strategy, transport))
                 row = targeted.setdefault(f"{strategy}/{transport or '-'}/{point}", {"armed": 0, "fired": 0})
                 row["armed"] += 1
                 row["fired"] += fired
@@ -185,23 +187,25 @@ def _settled_object_store() -> dict:
     return object_store_usage()
 
 
-def _armed_run(cluster, rng, point: str, run) -> bool:
-    """Arm one random replica to kill itself at `point`, run, disarm; whether it died."""
+def _armed_run(cluster, point: str, run) -> bool:
+    """Arm every replica to kill itself at `point`, the first to reach it only (a claim file: a
+    random victim often lay off the run's path), run, disarm; whether one died."""
     import ray
 
     replicas = cluster.replicas()
-    victim = rng.choice(replicas)
-    pid = _pid(victim)
+    pids = [_pid(r) for r in replicas]
     at, delay = (point[:-1], 0.2) if point.endswith("+") else (point, 0.0)
-    ray.get(victim.actor.inject_fault.remote("kill", 1, at, delay), timeout=60)
-    run()
-    time.sleep(0.3)  # a delayed kill lands
-    for r in replicas:
-        try:
-            ray.get(r.actor.clear_fault.remote(), timeout=120)
-        except ray.exceptions.RayActorError:  # killed at the last moment: restarted disarmed
-            pass
-    return _pid(victim) != pid
+    with tempfile.TemporaryDirectory(prefix="aaflow-chaos-") as folder:
+        claim = os.path.join(folder, "struck")
+        ray.get([r.actor.inject_fault.remote("kill", 1, at, delay, claim) for r in replicas], timeout=60)
+        run()
+        time.sleep(0.3)  # a delayed kill lands
+        for r in replicas:
+            try:
+                ray.get(r.actor.clear_fault.remote(), timeout=120)
+            except ray.exceptions.RayActorError:  # killed at the last moment: restarted disarmed
+                pass
+    return [_pid(r) for r in replicas] != pids
 
 
 def _pid(replica, wait_s: float = 120.0) -> int:

@@ -20,13 +20,17 @@ class FaultInjection:
       the peer's fetch meets a stale lease inside the real transport;
     - "kill": the process SIGKILLs itself on its `after`-th call that reaches `at` (one of KILL_POINTS),
       `delay_s` after that call starts (a source killed while its peer fetches: at="expose", a delay).
+      With `claim` (a file path), of the replicas armed with the same claim only the first to strike
+      does: it creates the file; the others find it there and disarm.
     """
 
     def __init__(self) -> None:
         self.armed: tuple[str, int] | None = None  # (kind, events left before it strikes)
         self.kill_at: tuple[str, float] | None = None  # a "kill" fault: (point, delay_s)
+        self.claim: str | None = None  # a "kill" fault's claim file
 
-    def inject(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0) -> None:
+    def inject(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0,
+               claim: str | None = None) -> None:
         """Arm `kind` (replacing whatever was armed); ValueError for an unknown kind or point."""
         if kind not in ("crash", "error", "transfer", "stale", "kill"):
             raise ValueError(f"unknown fault {kind!r}: use crash, error, transfer, stale or kill")
@@ -34,10 +38,11 @@ class FaultInjection:
             raise ValueError(f"a kill fault needs at= one of {KILL_POINTS}, got {at!r}")
         self.armed = (kind, after)
         self.kill_at = (at, delay_s) if kind == "kill" else None
+        self.claim = claim if kind == "kill" else None
 
     def clear(self) -> None:
         """Disarm whatever fault is armed."""
-        self.armed, self.kill_at = None, None
+        self.armed, self.kill_at, self.claim = None, None, None
 
     def reached(self, point: str) -> None:
         """A call reached `point`: strike an armed "kill" fault aimed there when its count runs out."""
@@ -47,8 +52,13 @@ class FaultInjection:
         self.armed = (kind, left - 1)
         if left > 1:
             return
-        delay = self.kill_at[1]
+        delay, claim = self.kill_at[1], self.claim
         self.clear()
+        if claim is not None:
+            try:
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:  # another replica struck first
+                return
         if delay <= 0:
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Timer(delay, os.kill, args=(os.getpid(), signal.SIGKILL)).start()

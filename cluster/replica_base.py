@@ -46,10 +46,12 @@ class ReplicaBase(Replica):
         raise NotImplementedError
 
     # --- faults (reliability tests) -----------------------------------------------------------
-    def inject_fault(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0) -> None:
+    def inject_fault(self, kind: str, after: int = 1, at: str | None = None, delay_s: float = 0.0,
+                     claim: str | None = None) -> None:
         """Arm a fault (`cluster.faults.FaultInjection`): "crash", "error", "transfer", "stale", or
-        "kill" at a point (materialize, prefill, step, expose, receive)."""
-        self.faults.inject(kind, after, at, delay_s)
+        "kill" at a point (materialize, prefill, step, expose, receive), for one replica of those
+        armed with the same `claim` file."""
+        self.faults.inject(kind, after, at, delay_s, claim)
 
     def clear_fault(self) -> None:
         """Disarm whatever fault is armed."""

@@ -38,6 +38,19 @@ def test_a_fault_counts_down_and_strikes_once():
         faults.inject("meteor")
 
 
+def test_a_kill_claimed_by_another_replica_disarms_instead_of_striking(tmp_path):
+    """Replicas armed with one claim file: the first to reach the point creates it and dies; one
+    that finds it there disarms (were it to strike, it would kill this test's process)."""
+    claim = tmp_path / "struck"
+    claim.write_text("")  # another replica struck first
+    faults = FaultInjection()
+    faults.inject("kill", 1, "prefill", 0.0, str(claim))
+    faults.reached("step")  # not its point: still armed
+    assert faults.kill_at == ("prefill", 0.0)
+    faults.reached("prefill")
+    assert faults.armed is None and faults.kill_at is None and faults.claim is None
+
+
 def test_replica_calls_reach_its_components_and_close_frees_everything(tiny_llama_dir):
     replica = observed(ModelReplica)("r0", str(tiny_llama_dir), dtype="float32", num_blocks=64)
     info = replica.info()
