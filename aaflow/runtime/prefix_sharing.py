@@ -20,6 +20,7 @@ from aaflow.runtime.scheduler_state import SchedulerState
 if TYPE_CHECKING:
     from aaflow.runtime.call_queues import CallQueues
 
+
 class PrefixSharing:
     """Owns which replica holds which shared prefix, who waits for one and what is in transit.
     It reads the scheduler's `state` and sends its calls through `queues`; an agent whose session
