@@ -219,8 +219,10 @@ class PrefixSharing:
         if not keys:
             return 0
         pending = {a.prefix_key for a in self.state.agents.values() if a.state != "done" and a.prefix_key in keys}
-        freed = [self.forget(key) for key in keys - pending if not self.on_its_way(key)]
-        return len(freed)
+        unread = [key for key in keys - pending if not self.on_its_way(key)]
+        for key in unread:
+            self.forget(key)
+        return len(unread)
 
     def free_all(self) -> None:
         """Free every shared prefix still held (at the end of a run)."""
