@@ -18,9 +18,14 @@ def cpu_kind() -> str:
     between machines of one kind, so a measured profile is named for its kind (SmolLM2-135M
     prefill on one thread, measured here: bf16 0.48 ms/token with AMX, 1.24-1.40 with an AMD EPYC's
     AVX512-BF16; fp32 2.73 with an Ice Lake's AVX512)."""
-    vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(_cpuinfo_field("vendor_id"), platform.machine())
+    vendor = cpu_vendor()
     isa = matrix_isa()
     return f"{vendor}-{isa}" if isa else vendor
+
+
+def cpu_vendor() -> str:
+    """"intel", "amd", or the machine's architecture name for other CPUs."""
+    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(_cpuinfo_field("vendor_id"), platform.machine())
 
 
 def matrix_isa() -> str | None:

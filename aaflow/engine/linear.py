@@ -1,4 +1,5 @@
 """Linear layers, with oneDNN-prepacked weights where the CPU has native bf16 (AVX512-BF16 / AMX),
+fp32 products on oneDNN where MKL's GEMM is not tuned for the CPU (AMD's),
 a compiled AMX kernel for a few rows (`csrc/amx_linear.cpp`: decode steps, small prefill chunks)
 where the CPU has AMX, and else a compiled one-row kernel (`csrc/one_row_linear.cpp`) for a decode
 step of one sequence."""
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine.native_build import NativeModule
-from aaflow.machine import matrix_isa
+from aaflow.machine import cpu_vendor, matrix_isa
 
 ONE_ROW = NativeModule("one_row_linear.cpp", "the bf16 one-row linear kernel", "AAFLOW_ONE_ROW_LINEAR")
 AMX_LINEAR = NativeModule("amx_linear.cpp", "the AMX few-rows linear kernel", "AAFLOW_AMX_LINEAR",
@@ -42,6 +43,12 @@ def can_prepack(dtype: torch.dtype) -> bool:
     )
 
 
+def fp32_on_onednn(dtype: torch.dtype) -> bool:
+    """fp32 products go to oneDNN (the weights as they are) on AMD CPUs, where torch's MKL GEMM
+    runs slower than oneDNN's at every row count of a decode step or a prefill; elsewhere to MKL."""
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available() and cpu_vendor() == "amd"
+
+
 def one_row_kernel():
     """The one-row kernel where it builds with AVX512-BF16 (its plain C++ loop would lose to
     oneDNN); else None. `AAFLOW_ONE_ROW_LINEAR=0` switches it off."""
@@ -67,7 +74,7 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K 
 
 
 class Linear:
-    """y = x @ W.T + b. With `prepack`, W is reordered once into oneDNN's blocked layout
+    """y = x @ W.T + b. With `onednn`, on oneDNN with W as it is. With `prepack`, W is reordered once into oneDNN's blocked layout
     (measured here: ~1.3x faster at decode sizes, ~1.2x at prefill sizes), and one more copy of
     the weights is kept for a compiled kernel: on a CPU with AMX (and both sizes multiples of 32)
     W as AMX tiles, and up to AMX_MAX_ROWS rows (AMX_MAX_ROWS_LONG_K over LONG_K inputs or more)
@@ -80,11 +87,11 @@ class Linear:
     row count (without it: oneDNN in blocks of INVARIANT_BLOCK_ROWS), the others on oneDNN's
     many-row path (one row runs as two)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, onednn: bool = False) -> None:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.nbytes = weight.numel() * weight.element_size()  # what one product reads
         self.bias = bias
-        self.prepacked = prepack
+        self.on_onednn = prepack or onednn  # else torch's default GEMM (MKL)
         kernel_bias = _NO_BIAS if bias is None else bias.to(torch.bfloat16).contiguous()
         self.amx = None  # (kernel, W as AMX tiles, bias [out] or empty) for up to amx_max_rows rows
         self.amx_max_rows = AMX_MAX_ROWS_LONG_K if self.in_features >= LONG_K else AMX_MAX_ROWS
@@ -122,6 +129,6 @@ class Linear:
         return torch.cat([self._onednn(block) for block in padded.split(INVARIANT_BLOCK_ROWS)])[:rows]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prepacked:
+        if self.on_onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from aaflow.engine.config import ModelConfig
-from aaflow.engine.linear import Linear, can_prepack
+from aaflow.engine.linear import Linear, can_prepack, fp32_on_onednn
 from aaflow.errors import ModelNotFoundError
 
 
@@ -69,7 +69,7 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Model
     def cat(names: list[str]) -> torch.Tensor:
         return torch.cat([take(n) for n in names])
 
-    pack = can_prepack(dtype)
+    pack, onednn = can_prepack(dtype), fp32_on_onednn(dtype)
 
     layers = []
     for i in range(config.num_layers):
@@ -79,11 +79,11 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Model
         gate_up_bias = cat([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if config.mlp_bias else None
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=Linear(cat([attn + f"{x}_proj.weight" for x in "qkv"]), qkv_bias, pack),
-            o=Linear(take(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", config.o_bias), pack),
+            qkv=Linear(cat([attn + f"{x}_proj.weight" for x in "qkv"]), qkv_bias, pack, onednn),
+            o=Linear(take(attn + "o_proj.weight"), maybe(attn + "o_proj.bias", config.o_bias), pack, onednn),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"]), gate_up_bias, pack),
-            down=Linear(take(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", config.mlp_bias), pack),
+            gate_up=Linear(cat([mlp + "gate_proj.weight", mlp + "up_proj.weight"]), gate_up_bias, pack, onednn),
+            down=Linear(take(mlp + "down_proj.weight"), maybe(mlp + "down_proj.bias", config.mlp_bias), pack, onednn),
         ))
     embed = take("model.embed_tokens.weight")
     tied = config.tie_word_embeddings or "lm_head.weight" not in raw
@@ -91,5 +91,5 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> Model
         embed=embed,
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=Linear(embed if tied else take("lm_head.weight"), None, pack),
+        lm_head=Linear(embed if tied else take("lm_head.weight"), None, pack, onednn),
     )
