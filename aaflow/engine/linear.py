@@ -32,13 +32,14 @@ AMX_MAX_ROWS_LONG_K = 512
 # Deterministic mode without the AMX kernel runs those products on oneDNN in calls of this many rows.
 INVARIANT_BLOCK_ROWS = 64
 _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def can_prepack(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking pays off for bf16 on CPUs with native bf16; fp32 keeps the plain path."""
+    """oneDNN prepacking pays off for bf16 on CPUs with native bf16; fp32 weights stay as they are."""
     return (
         dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
+        and ONEDNN
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
@@ -46,7 +47,7 @@ def can_prepack(dtype: torch.dtype) -> bool:
 def fp32_on_onednn(dtype: torch.dtype) -> bool:
     """fp32 products go to oneDNN (the weights as they are) on AMD CPUs, where torch's MKL GEMM
     runs slower than oneDNN's at every row count of a decode step or a prefill; elsewhere to MKL."""
-    return dtype == torch.float32 and torch.backends.mkldnn.is_available() and cpu_vendor() == "amd"
+    return dtype == torch.float32 and ONEDNN and cpu_vendor() == "amd"
 
 
 def one_row_kernel():
@@ -85,13 +86,14 @@ class Linear:
     `batch_invariant=True` (the engine's deterministic mode) gives a row the same bits whatever
     the number of rows in the call: products over LONG_K inputs or more on the AMX kernel at any
     row count (without it: oneDNN in blocks of INVARIANT_BLOCK_ROWS), the others on oneDNN's
-    many-row path (one row runs as two)."""
+    many-row path (one row runs as two), in fp32 too (MKL's GEMM rounds a row by the row count)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, onednn: bool = False) -> None:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.nbytes = weight.numel() * weight.element_size()  # what one product reads
         self.bias = bias
-        self.on_onednn = prepack or onednn  # else torch's default GEMM (MKL)
+        self.on_onednn = prepack or onednn  # else torch's default GEMM (MKL); deterministic mode:
+        self.invariant_on_onednn = self.on_onednn or (ONEDNN and weight.dtype == torch.float32)
         kernel_bias = _NO_BIAS if bias is None else bias.to(torch.bfloat16).contiguous()
         self.amx = None  # (kernel, W as AMX tiles, bias [out] or empty) for up to amx_max_rows rows
         self.amx_max_rows = AMX_MAX_ROWS_LONG_K if self.in_features >= LONG_K else AMX_MAX_ROWS
@@ -115,7 +117,9 @@ class Linear:
         elif self.one_row is not None and rows == 1:
             kernel, weight, bias = self.one_row
             return kernel.one_row_linear(x.contiguous(), weight, bias)
-        return self._onednn(x)
+        if self.invariant_on_onednn if batch_invariant else self.on_onednn:
+            return self._onednn(x)
+        return F.linear(x, self.weight, self.bias)  # torch's default GEMM (MKL)
 
     def _amx(self, x: torch.Tensor) -> torch.Tensor:
         kernel, packed, bias = self.amx
@@ -129,6 +133,6 @@ class Linear:
         return torch.cat([self._onednn(block) for block in padded.split(INVARIANT_BLOCK_ROWS)])[:rows]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        if self.on_onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if not self.invariant_on_onednn:  # bf16 without native support: torch's default path
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
