@@ -75,13 +75,13 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K 
 
 
 class Linear:
-    """y = x @ W.T + b. With `onednn`, on oneDNN with W as it is. With `prepack`, W is reordered once into oneDNN's blocked layout
-    (measured here: ~1.3x faster at decode sizes, ~1.2x at prefill sizes), and one more copy of
-    the weights is kept for a compiled kernel: on a CPU with AMX (and both sizes multiples of 32)
-    W as AMX tiles, and up to AMX_MAX_ROWS rows (AMX_MAX_ROWS_LONG_K over LONG_K inputs or more)
-    go through the AMX kernel; else, where the one-row kernel builds, the plain W, and a single row
-    goes through it (its 121 products 12.6 against oneDNN's 14.8 ms: a whole decode step of one
-    sequence 19.3 against 22.6 ms).
+    """y = x @ W.T + b. With `onednn`, on oneDNN with W as it is. With `prepack`, W is reordered
+    once into oneDNN's blocked layout (measured here: ~1.3x faster at decode sizes, ~1.2x at
+    prefill sizes), and one more copy of the weights is kept for a compiled kernel: on a CPU with
+    AMX (and both sizes multiples of 32) W as AMX tiles, and up to AMX_MAX_ROWS rows
+    (AMX_MAX_ROWS_LONG_K over LONG_K inputs or more) go through the AMX kernel; else, where the
+    one-row kernel builds, the plain W, and a single row goes through it (its 121 products 12.6
+    against oneDNN's 14.8 ms: a whole decode step of one sequence 19.3 against 22.6 ms).
 
     `batch_invariant=True` (the engine's deterministic mode) gives a row the same bits whatever
     the number of rows in the call: products over LONG_K inputs or more on the AMX kernel at any
@@ -92,7 +92,8 @@ class Linear:
         self.out_features, self.in_features = weight.shape  # weight: [out, in]
         self.nbytes = weight.numel() * weight.element_size()  # what one product reads
         self.bias = bias
-        self.on_onednn = prepack or onednn  # else torch's default GEMM (MKL); deterministic mode:
+        self.on_onednn = prepack or onednn  # else torch's default GEMM (MKL)
+        # deterministic mode's products: on oneDNN in fp32 even where the others go to MKL
         self.invariant_on_onednn = self.on_onednn or (ONEDNN and weight.dtype == torch.float32)
         kernel_bias = _NO_BIAS if bias is None else bias.to(torch.bfloat16).contiguous()
         self.amx = None  # (kernel, W as AMX tiles, bias [out] or empty) for up to amx_max_rows rows
