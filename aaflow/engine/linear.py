@@ -118,7 +118,7 @@ class Linear:
         elif self.one_row is not None and rows == 1:
             kernel, weight, bias = self.one_row
             return kernel.one_row_linear(x.contiguous(), weight, bias)
-        if self.invariant_on_onednn if batch_invariant else self.on_onednn:
+        if self.on_onednn or batch_invariant:
             return self._onednn(x)
         return F.linear(x, self.weight, self.bias)  # torch's default GEMM (MKL)
 
