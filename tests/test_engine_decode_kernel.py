@@ -1,7 +1,7 @@
-"""The compiled bf16 decode attention kernel (decode_kernel.py): attention over paged, scattered
-slots against fp32 math, alone and merged with a part over other keys; a sequence's result
-independent of its batch; the engine's decode through it against its torch product path. Needs a
-C++ compiler (the kernel is built on first use)."""
+"""The compiled decode attention kernel (decode_kernel.py), bf16 and fp32: attention over paged,
+scattered slots against fp32 math, alone and merged with a part over other keys; a sequence's result
+independent of its batch; the engine's decode through it against its torch paths. Needs a C++
+compiler (the kernel is built on first use)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
                                 reason="no C++ compiler here: the decode kernel cannot be built")
 
 KV_HEADS, GROUP, DIM = 3, 3, 64
+# The output's error against fp32 math, relative to its largest value: bf16 rounds the output and
+# the probabilities; fp32 differs only in summation order and the softmax's exp polynomial.
+TOLERANCE = {torch.bfloat16: 2 ** -6, torch.float32: 1e-5}
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +39,18 @@ def _reference(q, k_cache, v_cache, slots):  # q: [H, D], scaled; caches [slots,
     return torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), values), scores.logsumexp(-1)
 
 
-def _paged_batch(lengths: list[int], seed: int = 0):
+def _paged_batch(lengths: list[int], seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     """A pool of scattered slots: each context is a random permutation of free slots (not runs)."""
     gen = torch.Generator().manual_seed(seed)
     pool = sum(lengths) + 100
-    k_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).bfloat16()
-    v_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).bfloat16()
+    k_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).to(dtype)
     order = torch.randperm(pool, generator=gen)
     contexts, start = [], 0
     for n in lengths:
         contexts.append(order[start:start + n])
         start += n
-    q = (torch.randn(len(lengths), KV_HEADS * GROUP, DIM, generator=gen) * DIM ** -0.5).bfloat16()
+    q = (torch.randn(len(lengths), KV_HEADS * GROUP, DIM, generator=gen) * DIM ** -0.5).to(dtype)
     return q, k_cache, v_cache, contexts
 
 
@@ -55,34 +59,38 @@ def _run(kernel, q, k_cache, v_cache, contexts, other=(None, None)):
     return kernel.decode_attention(q.contiguous(), k_cache, v_cache, reads.slots, reads.lengths, *other)
 
 
-def test_kernel_is_the_attention_over_scattered_slots(kernel):
-    lengths = [1, 2, 7, 255, 256, 257, 1031]  # tails of the 4-key tiles, the key pairs and the 256-key chunks
-    q, k_cache, v_cache, contexts = _paged_batch(lengths)
-    out, lse = _run(kernel, q, k_cache, v_cache, contexts)  # [B, H, D] bf16, [B, H] fp32
+@DTYPES
+def test_kernel_is_the_attention_over_scattered_slots(kernel, dtype):
+    lengths = [1, 2, 7, 8, 9, 255, 256, 257, 1031]  # tails of the 4-key tiles, the vectors, the 256-key chunks
+    q, k_cache, v_cache, contexts = _paged_batch(lengths, dtype=dtype)
+    out, lse = _run(kernel, q, k_cache, v_cache, contexts)  # [B, H, D] of dtype, [B, H] fp32
+    assert out.dtype == dtype
     for b, slots in enumerate(contexts):
         ref, ref_lse = _reference(q[b], k_cache, v_cache, slots)
-        tolerance = ref.abs().max() * 2 ** -6  # the output's bf16 rounding, the probabilities' rounding to bf16
+        tolerance = ref.abs().max() * TOLERANCE[dtype]
         assert float((out[b].float() - ref).abs().max()) <= tolerance, f"sequence {b} of length {lengths[b]}"
         assert torch.allclose(lse[b], ref_lse, atol=1e-4), f"sequence {b}: log-sum-exp"
 
 
-def test_a_part_over_other_keys_merges_into_the_attention_over_both(kernel):
+@DTYPES
+def test_a_part_over_other_keys_merges_into_the_attention_over_both(kernel, dtype):
     """Cascade's use: the kernel attends each row's own keys and merges a given part (a shared
     prefix's output and log-sum-exp), as one softmax over both key sets."""
-    q, k_cache, v_cache, contexts = _paged_batch([40, 300, 3], seed=2)
+    q, k_cache, v_cache, contexts = _paged_batch([40, 300, 3], seed=2, dtype=dtype)
     held = set(torch.cat(contexts).tolist())
     prefix = torch.tensor([s for s in range(k_cache.shape[0]) if s not in held][:80])  # 80 keys no context holds
     parts = [_reference(q[b], k_cache, v_cache, prefix) for b in range(len(contexts))]
-    other = (torch.stack([p[0] for p in parts]).bfloat16(), torch.stack([p[1] for p in parts]))
+    other = (torch.stack([p[0] for p in parts]).to(dtype), torch.stack([p[1] for p in parts]))
     out, lse = _run(kernel, q, k_cache, v_cache, contexts, other)
     for b, slots in enumerate(contexts):
         ref, ref_lse = _reference(q[b], k_cache, v_cache, torch.cat([prefix, slots]))
-        assert float((out[b].float() - ref).abs().max()) <= ref.abs().max() * 2 ** -6, f"sequence {b}"
+        assert float((out[b].float() - ref).abs().max()) <= ref.abs().max() * TOLERANCE[dtype], f"sequence {b}"
         assert torch.allclose(lse[b], ref_lse, atol=1e-4)
 
 
-def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel):
-    q, k_cache, v_cache, contexts = _paged_batch([300, 1500, 9, 700], seed=1)
+@DTYPES
+def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel, dtype):
+    q, k_cache, v_cache, contexts = _paged_batch([300, 1500, 9, 700], seed=1, dtype=dtype)
     together, _ = _run(kernel, q, k_cache, v_cache, contexts)
     for b in range(len(contexts)):
         alone, _ = _run(kernel, q[b:b + 1], k_cache, v_cache, [contexts[b]])
@@ -110,8 +118,10 @@ def test_the_last_keys_of_a_context_score_as_in_a_group_of_four(kernel):
 def test_kernel_refuses_what_it_was_not_built_for(kernel):
     q, k_cache, v_cache, contexts = _paged_batch([10])
     reads = decode_kernel.KernelReads.of(contexts)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="one dtype"):
         kernel.decode_attention(q.float(), k_cache, v_cache, reads.slots, reads.lengths)
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        kernel.decode_attention(q.half(), k_cache.half(), v_cache.half(), reads.slots, reads.lengths)
     with pytest.raises(RuntimeError, match="head dim"):
         kernel.decode_attention(q[..., :32].contiguous(), k_cache[..., :32].contiguous(),
                                 v_cache[..., :32].contiguous(), reads.slots, reads.lengths)
@@ -119,8 +129,8 @@ def test_kernel_refuses_what_it_was_not_built_for(kernel):
         kernel.decode_attention(q, k_cache, v_cache, reads.slots, reads.lengths, q)
     with pytest.raises(RuntimeError, match="length 0"):
         kernel.decode_attention(q, k_cache, v_cache, reads.slots, torch.zeros(1, dtype=torch.long))
-    assert decode_kernel.supports(torch.bfloat16, 64) and not decode_kernel.supports(torch.float32, 64)
-    assert not decode_kernel.supports(torch.bfloat16, 16)
+    assert decode_kernel.supports(torch.bfloat16, 64) and decode_kernel.supports(torch.float32, 64)
+    assert not decode_kernel.supports(torch.bfloat16, 16) and not decode_kernel.supports(torch.float16, 64)
 
 
 def test_engine_decode_through_the_kernel_is_as_close_to_fp32_as_its_product_path(make_engine, tmp_path):
@@ -150,6 +160,37 @@ def test_engine_decode_through_the_kernel_is_as_close_to_fp32_as_its_product_pat
     assert agree["kernel"] >= agree["products"] - 0.05, agree
 
 
+def test_fp32_engine_decode_through_the_kernel_is_its_torch_paths(make_engine, tmp_path):
+    """fp32 with 64-dim heads decodes through the kernel (alone, and as cascade's remainder when a
+    batch shares a prefix); its logits match the torch paths' to fp32 summation order, and so do
+    its greedy tokens."""
+    folder = make_tiny_model(tmp_path / "tiny64", "llama", hidden_size=256, num_attention_heads=4,
+                             num_key_value_heads=2, num_hidden_layers=2)
+    engines = [make_engine(folder, num_blocks=128, dtype="float32") for _ in range(2)]
+    assert engines[0].runner.paths.kernel_decode
+    engines[1].runner.paths.kernel_decode = False
+    shared = [3 + (i * 7) % 250 for i in range(160)]
+    logits, kinds = [], []
+    for engine in engines:
+        real = engine.runner.paths.decode
+        engine.runner.paths.decode = lambda *a, real=real: kinds.append(type(real(*a)).__name__) or real(*a)
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.prefill(a, [3 + (i * 7) % 250 for i in range(150)])
+        engine.prefill(b, [5 + (i * 11) % 250 for i in range(90)])
+        steps = [engine.decode([a, b], [10 + i, 20 + i]) for i in range(8)] + [engine.decode([a], [40])]
+        forks = [engine.new_sequence() for _ in range(12)]
+        for n, seq in enumerate(forks):
+            engine.prefill(seq, shared + [9 + n] * (5 + n))
+        steps += [engine.decode(forks, [30 + i + n for n in range(12)]) for i in range(3)]
+        logits.append(torch.cat(steps).float())
+        for seq in [a, b, *forks]:
+            engine.free(seq)
+    assert kinds[:12] == ["KernelDecodeBatch"] * 9 + ["CascadeBatch"] * 3
+    kernel, torch_paths = logits
+    assert float((kernel - torch_paths).abs().max() / torch_paths.abs().max()) <= 1e-5
+    assert torch.equal(kernel.argmax(-1), torch_paths.argmax(-1))
+
+
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv(decode_kernel.ENV_SWITCH, "0")
     assert decode_kernel.load() is None and not decode_kernel.supports(torch.bfloat16, 64)
@@ -166,7 +207,7 @@ def test_short_prefill_chunks_through_the_kernel_are_as_close_to_fp32_as_their_t
     for engine in engines:  # tiles, not the flash kernel, on every CPU
         engine.runner.paths.flash_prefill = False
     chunks = [[7, 8, 9], [11], [20 + i for i in range(40)], [30 + i for i in range(8)]]
-    results, routed = [], []
+    results = []
     for engine in engines:
         ids = [engine.new_sequence() for _ in chunks]
         for n, seq in enumerate(ids):

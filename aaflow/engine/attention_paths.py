@@ -5,8 +5,10 @@ Prefill: deterministic mode's fixed tiles; in bf16 tiles of plain products (with
 flash kernel, which beats tiles there); in fp32 the flash kernel over each context, with a prefix
 every sequence shares attended once (cascade). Decode: deterministic mode's fixed tiles; in bf16 the
 compiled kernel, unless a large batch shares a long prefix (cascade on AMX); else runs of blocks read
-in place, gathered contexts, a shared prefix in cascade, or (fp32) several prefixes each shared by a
-group of the batch, each attended once for its group (`grouped_cascade.py`).
+in place, gathered contexts, or a shared prefix in cascade. fp32 decode: several prefixes each shared
+by a group of the batch, each attended once for its group (`grouped_cascade.py`), or one prefix the
+whole batch shares (cascade), then every sequence's remainder in the compiled kernel (torch's paths
+where it cannot be built).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class AttentionPaths:
     cascade_decode_batch: int | None  # with AMX, decode batches this large sharing a prefix go in cascade
     cascade_decode_min_reads: int  # ... once the prefix's tokens x the sequences reach this
     grouped_decode: bool = True  # a decode batch in groups sharing prefixes: each prefix attended once
+    kernel_after_sharing: bool = False  # fp32: prefixes shared in the batch attended once, the kernel the rest
 
     @classmethod
     def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> "AttentionPaths":
@@ -48,7 +51,7 @@ class AttentionPaths:
         return cls(block_size, tiled_prefill=bf16, flash_prefill=prefill_kernel() == "flash",
                    run_decode=bf16, kernel_decode=decode_kernel_supports(dtype, head_dim),
                    cascade_decode_batch=CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None,
-                   cascade_decode_min_reads=CASCADE_DECODE_MIN_SHARED_READS)
+                   cascade_decode_min_reads=CASCADE_DECODE_MIN_SHARED_READS, kernel_after_sharing=not bf16)
 
     def prefill(self, seqs: list[Sequence], contexts: list[torch.Tensor], starts: list[int], deterministic: bool):
         """The batch of a pass over a chunk of each sequence: contexts[n] [len_n] slots up to the
@@ -69,6 +72,8 @@ class AttentionPaths:
         tables = [s.block_table for s in seqs]
         if deterministic:
             return FixedBatch([(c, len(seq)) for c, seq in zip(contexts, seqs)])
+        if self.kernel_decode and self.kernel_after_sharing:
+            return self._decode_sharing_then_kernel(seqs, slots, lengths, write, contexts, tables)
         if self.kernel_decode and not decode_in_cascade(tables, self.block_size, self.cascade_decode_batch,
                                                         self.cascade_decode_min_reads):
             return KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
@@ -85,6 +90,18 @@ class AttentionPaths:
             return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
         batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
         return CascadeBatch(contexts[0][:shared], batch) if shared else batch
+
+    def _decode_sharing_then_kernel(self, seqs, slots, lengths, write, contexts, tables):
+        """fp32 decode: each prefix a group of the batch shares attended once for the group (flash
+        over it), every sequence's remainder read in place by the kernel, which merges the two."""
+        groups = prefix_groups(tables, self.block_size) if self.grouped_decode and len(seqs) > 2 else []
+        if groups:
+            return grouped_cascade.build(write, contexts, groups, self.block_size, kernel=True)
+        shared = self.cascade_prefix(seqs, len(seqs[0]), decode=True) if len(seqs) > 1 else 0
+        if shared:
+            rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
+            return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
+        return KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
 
     def cascade_prefix(self, seqs: list[Sequence], first_new: int, decode: bool = False) -> int:
         """Tokens at the start of every context that attention reads once, apart from the rest

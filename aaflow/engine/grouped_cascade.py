@@ -20,6 +20,7 @@ from aaflow.engine.amx_attention import merge_parts
 from aaflow.engine.attention import AttentionBatch
 from aaflow.engine.cascade import (CASCADE_MIN_SAVED_TOKENS, CascadeBatch, attend_prefix, attend_with_lse,
                                    common_blocks)
+from aaflow.engine.decode_kernel import KernelDecodeBatch, KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
 
 
@@ -34,10 +35,11 @@ class PrefixGroup:
 @dataclass
 class GroupedCascadeBatch:
     """A decode step: `groups` attend their shared prefixes once; `rest` places every sequence's new
-    token over its context past its group's prefix (the whole context for a sequence in no group)."""
+    token over its context past its group's prefix (the whole context for a sequence in no group),
+    through torch's paths or read in place by the decode kernel, which also merges the groups' parts."""
 
     groups: list[PrefixGroup]
-    rest: AttentionBatch
+    rest: AttentionBatch | KernelDecodeBatch
 
 
 def prefix_groups(block_tables: list[list[int]], block_size: int) -> list[tuple[list[int], int]]:
@@ -73,8 +75,9 @@ def _saved(groups: list[tuple[list[int], int]]) -> int:
 
 
 def build(write: torch.Tensor, contexts: list[torch.Tensor], groups: list[tuple[list[int], int]],
-          block_size: int) -> GroupedCascadeBatch:
-    """write [B] the new tokens' slots; contexts[b] [len_b] slots, its new token's included."""
+          block_size: int, kernel: bool = False) -> GroupedCascadeBatch:
+    """write [B] the new tokens' slots; contexts[b] [len_b] slots, its new token's included; `kernel`:
+    the remainders go to the decode kernel."""
     skip = [0] * len(contexts)
     parts = []
     for rows, blocks in groups:
@@ -83,7 +86,8 @@ def build(write: torch.Tensor, contexts: list[torch.Tensor], groups: list[tuple[
             skip[r] = shared
         prefix = CascadeBatch(contexts[rows[0]][:shared], None)
         parts.append(PrefixGroup(torch.tensor(rows, dtype=torch.long), prefix))
-    rest = AttentionBatch.decode(write, [c[s:] for c, s in zip(contexts, skip)])
+    rests = [c[s:] for c, s in zip(contexts, skip)]
+    rest = KernelDecodeBatch(write, KernelReads.of(rests)) if kernel else AttentionBatch.decode(write, rests)
     return GroupedCascadeBatch(parts, rest)
 
 
@@ -96,9 +100,25 @@ def grouped_cascade_attention(
     batch: GroupedCascadeBatch,
 ) -> torch.Tensor:  # [B, H * D]
     B, heads, dim = q.shape
+    if isinstance(batch.rest, KernelDecodeBatch):
+        return _kernel_rests(layer, q, k, v, cache, batch)
     out, lse = attend_with_lse(layer, q, k, v, cache, batch.rest)  # [B, H, D], [B, H]; writes the new K/V
     for group in batch.groups:
         pre_out, pre_lse = attend_prefix(q[group.rows], cache.layer(layer), group.prefix)  # [m, H, D], [m, H]
         out[group.rows] = merge_parts(pre_out, pre_lse, out[group.rows], lse[group.rows])
     return out.reshape(B, heads * dim)
 
+
+
+def _kernel_rests(layer: int, q, k, v, cache: PagedKVCache, batch: GroupedCascadeBatch) -> torch.Tensor:
+    """The groups' prefixes first, then the kernel over every remainder, merging each row's prefix
+    part in the same pass (a row in no group brings an empty part: log-sum-exp -inf)."""
+    B, heads, dim = q.shape
+    cache.write(layer, batch.rest.write_slots, k, v)
+    pre_out = q.new_zeros(B, heads, dim)  # [B, H, D]
+    pre_lse = torch.full((B, heads), float("-inf"))  # [B, H]
+    for group in batch.groups:
+        part_out, part_lse = attend_prefix(q[group.rows], cache.layer(layer), group.prefix)  # [m, H, D], [m, H]
+        pre_out[group.rows] = part_out.to(q.dtype)
+        pre_lse[group.rows] = part_lse.float()
+    return kernel_attention(q, *cache.layer(layer), batch.rest.reads, (pre_out, pre_lse))  # [B, H * D]
