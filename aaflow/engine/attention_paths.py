@@ -1,9 +1,11 @@
 """Which attention path a forward pass takes: the batch object `LlamaModel.forward` dispatches on,
 chosen from the engine's dtype, the CPU and the sequences' block tables.
 
-Prefill: deterministic mode's fixed tiles; in bf16 tiles of plain products (with AMX through the
-flash kernel, which beats tiles there); in fp32 the flash kernel over each context, with a prefix
-every sequence shares attended once (cascade). Decode: deterministic mode's fixed tiles; in bf16 the
+Prefill: deterministic mode's fixed tiles; else each chunk over its context, in bf16 as tiles of
+plain products (with AMX through the flash kernel, which beats tiles there), in fp32 through the
+flash kernel, a prefix every chunk shares attended once, short chunks in the decode kernel
+(`tiled_attention.py`). The masked per-sequence path (`prefill_parts`, cascade) is what tests
+compare against. Decode: deterministic mode's fixed tiles; in bf16 the
 compiled kernel, unless a large batch shares a long prefix (cascade on AMX); else runs of blocks read
 in place, gathered contexts, or a shared prefix in cascade. fp32 decode: several prefixes each shared
 by a group of the batch, each attended once for its group (`grouped_cascade.py`), or one prefix the
@@ -36,8 +38,8 @@ class AttentionPaths:
     mode is the model's flag, read on every pass (`aaflow bench engine` switches it on one engine)."""
 
     block_size: int
-    tiled_prefill: bool  # bf16 prefill as tiles of products
-    flash_prefill: bool  # ... through the flash kernel (AMX) instead of plain tiles
+    tiled_prefill: bool  # prefill chunk by chunk over each context (`TiledPrefillBatch`), short ones in the kernel
+    flash_prefill: bool  # ... through the flash kernel (fp32, AMX) instead of tiles of products
     run_decode: bool  # bf16 decode as products over runs of blocks read in place
     kernel_decode: bool  # bf16 decode (and prefill chunks of up to 8 tokens) in the compiled kernel
     cascade_decode_batch: int | None  # with AMX, decode batches this large sharing a prefix go in cascade
@@ -48,7 +50,7 @@ class AttentionPaths:
     @classmethod
     def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> "AttentionPaths":
         bf16 = dtype != torch.float32
-        return cls(block_size, tiled_prefill=bf16, flash_prefill=prefill_kernel() == "flash",
+        return cls(block_size, tiled_prefill=True, flash_prefill=prefill_kernel(dtype) == "flash",
                    run_decode=bf16, kernel_decode=decode_kernel_supports(dtype, head_dim),
                    cascade_decode_batch=CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None,
                    cascade_decode_min_reads=CASCADE_DECODE_MIN_SHARED_READS, kernel_after_sharing=not bf16)
