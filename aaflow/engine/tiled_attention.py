@@ -21,10 +21,8 @@ to bf16 before the softmax, and the probabilities are rounded before the product
 rounds those too). In bf16 the engine therefore takes tiles; fp32 takes the flash kernel through
 the same batch (`TiledPrefillBatch` with `flash`), which also sends short chunks (a decoding
 sequence's token in a mixed step) to the decode kernel and splits a long chunk after a cached
-prefix into two unmasked flash calls. On an AMD EPYC with AVX2 only, 2 cores, SmolLM2 fp32, a mixed
-step of 8 decoding sequences over 2k contexts and a 2,000-token prompt after a cached 32-token
-header: 7.30 s through the masked per-sequence path it replaced, 5.82 s this way, 6.57 s in fp32
-tiles; the same 8 with a 48-token continuation of a cached 2k prompt: 0.585, 0.437, 0.444 s.
+prefix into two unmasked flash calls: faster than the masked per-sequence path and than fp32 tiles
+(docs/RESULTS.md, "fp32 attention read in place").
 
 With AMX (Intel Sapphire Rapids and later) the balance turns: oneDNN runs the flash kernel's
 blocks on the tile unit and tiles lose, per layer on 2 threads (bf16, SmolLM2's heads):
