@@ -4,8 +4,9 @@ chosen from the engine's dtype, the CPU and the sequences' block tables.
 Prefill: deterministic mode's fixed tiles; else each chunk over its context, in bf16 as tiles of
 plain products (with AMX through the flash kernel, which beats tiles there), in fp32 through the
 flash kernel, a prefix every chunk shares attended once, short chunks in the decode kernel
-(`tiled_attention.py`). The masked per-sequence path (`prefill_parts`, cascade) is what tests
-compare against. Decode: deterministic mode's fixed tiles; in bf16 the
+(`tiled_attention.py`). fp32 where the decode kernel cannot serve the head dim keeps the masked
+per-sequence path (`prefill_parts`, cascade), which batches same-length chunks; tests compare
+against it. Decode: deterministic mode's fixed tiles; in bf16 the
 compiled kernel, unless a large batch shares a long prefix (cascade on AMX); else runs of blocks read
 in place, gathered contexts, or a shared prefix in cascade. fp32 decode: several prefixes each shared
 by a group of the batch, each attended once for its group (`grouped_cascade.py`), or one prefix the
@@ -41,7 +42,7 @@ class AttentionPaths:
     tiled_prefill: bool  # prefill chunk by chunk over each context (`TiledPrefillBatch`), short ones in the kernel
     flash_prefill: bool  # ... through the flash kernel (fp32, AMX) instead of tiles of products
     run_decode: bool  # bf16 decode as products over runs of blocks read in place
-    kernel_decode: bool  # bf16 decode (and prefill chunks of up to 8 tokens) in the compiled kernel
+    kernel_decode: bool  # decode (and prefill chunks of up to 8 tokens) in the compiled kernel
     cascade_decode_batch: int | None  # with AMX, decode batches this large sharing a prefix go in cascade
     cascade_decode_min_reads: int  # ... once the prefix's tokens x the sequences reach this
     grouped_decode: bool = True  # a decode batch in groups sharing prefixes: each prefix attended once
@@ -50,8 +51,9 @@ class AttentionPaths:
     @classmethod
     def for_engine(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> "AttentionPaths":
         bf16 = dtype != torch.float32
-        return cls(block_size, tiled_prefill=True, flash_prefill=prefill_kernel(dtype) == "flash",
-                   run_decode=bf16, kernel_decode=decode_kernel_supports(dtype, head_dim),
+        kernel = decode_kernel_supports(dtype, head_dim)  # fp32 without it keeps the masked path's batched rows
+        return cls(block_size, tiled_prefill=bf16 or kernel, flash_prefill=prefill_kernel(dtype) == "flash",
+                   run_decode=bf16, kernel_decode=kernel,
                    cascade_decode_batch=CASCADE_DECODE_MIN_BATCH if matrix_isa() == "amx" else None,
                    cascade_decode_min_reads=CASCADE_DECODE_MIN_SHARED_READS, kernel_after_sharing=not bf16)
 
