@@ -80,32 +80,41 @@ class AttentionPaths:
             return self._decode_sharing_then_kernel(seqs, slots, lengths, write, contexts, tables)
         if self.kernel_decode and not decode_in_cascade(tables, self.block_size, self.cascade_decode_batch,
                                                         self.cascade_decode_min_reads):
-            return KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
+            return self._kernel_batch(write, slots, lengths)
         if self.run_decode and reads_in_place_pays([c.numel() for c in contexts], tables, self.block_size):
             return RunsDecodeBatch.build(write, contexts)
         shared = self.cascade_prefix(seqs, len(seqs[0]), decode=True)
         if self.run_decode and not shared:
             return GatheredDecodeBatch.build(write, contexts)
-        groups = prefix_groups(tables, self.block_size) if self.grouped_decode and len(seqs) > 2 else []
+        groups = self._prefix_groups(tables)
         if groups:  # several documents, each shared by a group: each attended once for its group
             return grouped_cascade.build(write, contexts, groups, self.block_size)
         if shared and self.kernel_decode:  # the kernel attends each rest and merges the prefix's part
-            rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
-            return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
+            return self._kernel_batch(write, slots, lengths, shared)
         batch = AttentionBatch.decode(write, [c[shared:] for c in contexts])
         return CascadeBatch(contexts[0][:shared], batch) if shared else batch
 
     def _decode_sharing_then_kernel(self, seqs, slots, lengths, write, contexts, tables):
         """fp32 decode: each prefix a group of the batch shares attended once for the group (flash
         over it), every sequence's remainder read in place by the kernel, which merges the two."""
-        groups = prefix_groups(tables, self.block_size) if self.grouped_decode and len(seqs) > 2 else []
+        groups = self._prefix_groups(tables)
         if groups:
             return grouped_cascade.build(write, contexts, groups, self.block_size, kernel=True)
         shared = self.cascade_prefix(seqs, len(seqs[0]), decode=True) if len(seqs) > 1 else 0
-        if shared:
-            rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
-            return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
-        return KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
+        return self._kernel_batch(write, slots, lengths, shared)
+
+    def _prefix_groups(self, tables: list[list[int]]) -> list[tuple[list[int], int]]:
+        """The groups of a decode batch that share prefixes, when grouped decode is on (`prefix_groups`)."""
+        return prefix_groups(tables, self.block_size) if self.grouped_decode and len(tables) > 2 else []
+
+    @staticmethod
+    def _kernel_batch(write: torch.Tensor, slots: torch.Tensor, lengths: list[int], shared: int = 0):
+        """Each row's slots past the first `shared` read in place by the kernel; the shared ones, if
+        any, attended once for every row (cascade), the kernel merging the two parts."""
+        if not shared:
+            return KernelDecodeBatch(write, KernelReads(slots, torch.tensor(lengths)))
+        rest = KernelReads(slots[:, shared:].contiguous(), torch.tensor(lengths) - shared)
+        return CascadeBatch(slots[0, :shared], KernelDecodeBatch(write, rest))
 
     def cascade_prefix(self, seqs: list[Sequence], first_new: int, decode: bool = False) -> int:
         """Tokens at the start of every context that attention reads once, apart from the rest

@@ -99,15 +99,14 @@ def grouped_cascade_attention(
     cache: PagedKVCache,
     batch: GroupedCascadeBatch,
 ) -> torch.Tensor:  # [B, H * D]
-    B, heads, dim = q.shape
     if isinstance(batch.rest, KernelDecodeBatch):
         return _kernel_rests(layer, q, k, v, cache, batch)
+    B, heads, dim = q.shape
     out, lse = attend_with_lse(layer, q, k, v, cache, batch.rest)  # [B, H, D], [B, H]; writes the new K/V
     for group in batch.groups:
         pre_out, pre_lse = attend_prefix(q[group.rows], cache.layer(layer), group.prefix)  # [m, H, D], [m, H]
         out[group.rows] = merge_parts(pre_out, pre_lse, out[group.rows], lse[group.rows])
     return out.reshape(B, heads * dim)
-
 
 
 def _kernel_rests(layer: int, q, k, v, cache: PagedKVCache, batch: GroupedCascadeBatch) -> torch.Tensor:

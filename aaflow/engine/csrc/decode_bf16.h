@@ -16,10 +16,10 @@
 namespace aaflow_decode_bf16 {
 
 using namespace aaflow_bf16;
+using aaflow_simd::kLog2e;
 
 constexpr int64_t kPrefetchKeys = 16;
 constexpr int64_t kMaxGroup = 8;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Softmax of one head's scores (n of them) with its own max: probabilities rounded to bf16 into
 // `probs` (zero-padded to an even count), the max and the fp32 sum returned.

@@ -16,9 +16,9 @@
 namespace aaflow_decode_fp32 {
 
 using aaflow_simd::exp2_neg;
+using aaflow_simd::kLog2e;
 
 constexpr int64_t kPrefetchKeys = 8;
-constexpr float kLog2e = 1.4426950408889634f;
 
 inline __m256 first_lanes(int64_t left) {  // all-ones in the first `left` of 8 lanes
   const __m256 index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);

@@ -6,6 +6,8 @@
 
 namespace aaflow_simd {
 
+constexpr float kLog2e = 1.4426950408889634f;  // e^x = 2^(x * kLog2e)
+
 // 2^f for f in [-0.5, 0.5], degree 6, highest power first.
 constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
                                 5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
