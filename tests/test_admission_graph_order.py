@@ -83,3 +83,23 @@ def test_without_a_resident_prefix_the_queue_keeps_its_order():
     assert not admission.admit(q1) and not admission.admit(r1)  # neither document is there
     opened += [a.name for a in admission.release(p1)]
     assert opened == ["q1"] and [a.name for a in admission.waiting["r0"]] == ["r1"]
+
+
+def test_the_last_holder_of_a_prefix_hands_it_to_its_waiting_reader_before_the_queue():
+    """A workflow's next reader of a document (b reads it once a has ended) waits for a's room; when
+    a ends, b takes the document over before an older agent that would evict it for another."""
+    probe = _agent("probe", DOC_P)
+    admission, _ = _admission(0)
+    own = _own(admission, probe)
+    admission, opened = _admission(100 + own + 1)  # P and one agent's own blocks (and a block)
+    a = _agent("a", DOC_P)
+    assert admission.admit(a)
+    q1 = _agent("q1", DOC_Q)  # older than b: waits, Q does not fit beside P
+    assert not admission.admit(q1)
+    b = _agent("b", DOC_P)  # opened as a ends, before a's release: no room for its own blocks yet
+    assert not admission.admit(b)
+    opened += [x.name for x in admission.release(a)]
+    assert opened == ["b"]  # with P released first, q1 would have fit and b would have recomputed P
+    assert [x.name for x in admission.waiting["r0"]] == ["q1"]
+    opened += [x.name for x in admission.release(b)]
+    assert opened == ["b", "q1"] and admission.reserved["r0"] == admission.blocks(q1, "r0")

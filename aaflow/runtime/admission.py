@@ -19,12 +19,14 @@ upstream agent's output and the block a fork copies count in full for each).
 The queue knows the workflow graph: an agent whose prefix is resident on its replica (an admitted
 agent holds it, or a shared prefix lives there) is admitted before older agents that would bring a
 new one, so that the readers of a document run while its KV is there rather than after work that
-evicts it (it costs only its own blocks). Oldest first otherwise, and the oldest waiting agent is
-overtaken at most `MAX_PASSES` times, so nothing starves. Reservations cover every run of the
-cluster's one scheduling loop; pinned contexts and other clients of the replicas (another
-deployment) are found out by the replica's `KVCapacityError`, which preempts. Replicas that do not
-say how many blocks they have (vLLM, the simulated clock) admit everyone: vLLM's own scheduler
-queues and preempts.
+evicts it (it costs only its own blocks). The last holder of a prefix hands it over: its waiting
+readers (opened as it ends, before its release: a workflow's next agent on the same document) are
+admitted while its prefix still counts as held, and only then is the prefix's room given back.
+Oldest first otherwise, and the oldest waiting agent is overtaken at most `MAX_PASSES` times, so
+nothing starves. Reservations cover every run of the cluster's one scheduling loop; pinned
+contexts and other clients of the replicas (another deployment) are found out by the replica's
+`KVCapacityError`, which preempts. Replicas that do not say how many blocks they have (vLLM, the
+simulated clock) admit everyone: vLLM's own scheduler queues and preempts.
 """
 
 from __future__ import annotations
@@ -111,10 +113,11 @@ class Admission:
             return []
         replica, blocks, key = hold
         self.reserved[replica] -= blocks
+        self.ungate(replica)
+        admitted = self._admit_readers(replica)  # its prefix still held: its waiting readers take it over
         if key is not None:
             self._drop_holder(replica, key)
-        self.ungate(replica)
-        return self._admit_waiting(replica)
+        return admitted + self._admit_waiting(replica)
 
     def gate(self, agent: AgentState) -> None:
         """`agent` was preempted on its replica: it is admitted there again only after a release."""
@@ -160,17 +163,25 @@ class Admission:
         self.passes[head] = self.passes.get(head, 0) + 1
         return True
 
-    def _admit_waiting(self, replica: str) -> list[AgentState]:
-        """Readers of resident prefixes that fit first, oldest first; then the queue in order
-        while its head fits. The agents admitted."""
+    def _admit_readers(self, replica: str) -> list[AgentState]:
+        """The waiting readers of resident prefixes that fit, oldest first (the head of the queue
+        too, which overtakes nobody). The agents admitted."""
         queue, admitted = self.waiting[replica], []
         if replica in self.dead:
             return admitted
-        for agent in [a for a in queue[1:] if self.resident(a)]:
-            if self._may_admit(agent, replica) and self._overtakes(agent, queue):
+        for agent in [a for a in queue if self.resident(a)]:
+            if self._may_admit(agent, replica) and (agent is queue[0] or self._overtakes(agent, queue)):
                 queue.remove(agent)
                 admitted.append(agent)
                 self._reserve(agent)
+        return admitted
+
+    def _admit_waiting(self, replica: str) -> list[AgentState]:
+        """Readers of resident prefixes that fit first, oldest first; then the queue in order
+        while its head fits. The agents admitted."""
+        queue, admitted = self.waiting[replica], self._admit_readers(replica)
+        if replica in self.dead:
+            return admitted
         while queue and self._may_admit(queue[0], replica):
             admitted.append(queue.pop(0))
             self._reserve(admitted[-1])

@@ -193,14 +193,14 @@ class AgentLifecycle:
         self.load[agent.replica] -= 1
         self.decoding[agent.replica].remove(agent)
         self.queues.call(agent.replica, CloseCall(agent.sid))
-        self.release_kv(agent)
-        if self.on_done is not None:
-            self.on_done(agent.name)
-        for consumer in self.readers[agent.name]:
+        for consumer in self.readers[agent.name]:  # before its release: they wait for room with its prefix held
             if consumer.state == "new" and self.inputs_done(consumer):
                 self.open(consumer)
             else:
                 self.advance(consumer)
+        self.release_kv(agent)
+        if self.on_done is not None:
+            self.on_done(agent.name)
 
     def restart(self, agent: AgentState, gate: bool = False) -> None:
         """Start an agent over from its prompt (its lineage) on a live replica; `gate`: only once
