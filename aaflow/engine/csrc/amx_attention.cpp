@@ -121,7 +121,7 @@ void run_task(const Task& task) {
     row_sum[i] = 0.0f;
   }
   std::fill(acc, acc + kRows * kDim, 0.0f);
-  const float log2e = 1.4426950408889634f, c = task.scale * log2e;
+  const float c = task.scale * aaflow_simd::kLog2e;
   _tile_loadd(0, q, q_bytes);       // dims 0-31
   _tile_loadd(1, q + 32, q_bytes);  // dims 32-63
   for (int64_t base = 0; base < last; base += kBlockKeys) {
