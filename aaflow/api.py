@@ -7,6 +7,14 @@ operators follow the ref they are given.
 
 from __future__ import annotations
 
+import operators
+from aaflow import continuation
+from aaflow.errors import InvalidArgumentError, KVLocationError
+from cluster import remote
+from cluster.cluster import Cluster
+from cluster.pins import pin_context
+from operators import KVHost
+
 
 def _is_remote(kv) -> bool:
     return type(kv).__name__ == "RemoteKVRef"
@@ -14,8 +22,6 @@ def _is_remote(kv) -> bool:
 
 def host_of(engine):
     """The `KVHost` of an in-process engine (made on first use)."""
-    from operators import KVHost
-
     if not hasattr(engine, "kv_host"):
         engine.kv_host = KVHost(engine)
     return engine.kv_host
@@ -23,17 +29,10 @@ def host_of(engine):
 
 def materialize(target, *args, **kwargs):
     """Prefill a context and return its KVRef: `(cluster, model, text)` or `(host_or_engine, text)`."""
-    from cluster.cluster import Cluster
-
     if isinstance(target, Cluster):
-        from cluster import remote
-
         return remote.materialize(target, *args, **kwargs)
-    import operators
 
     if not isinstance(target, operators.KVHost) and not hasattr(target, "export_kv"):
-        from aaflow.errors import InvalidArgumentError
-
         raise InvalidArgumentError(f"materialize needs a cluster, an Engine or a KVHost, got {type(target).__name__}")
     host = target if isinstance(target, operators.KVHost) else host_of(target)
     return operators.materialize(host, *args, **kwargs)
@@ -43,10 +42,7 @@ def _dispatch(name: str):
     def op(kv, *args, **kwargs):
         first = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
         if _is_remote(first):
-            from cluster import remote
-
             return getattr(remote, name)(kv, *args, **kwargs)
-        import operators
 
         return getattr(operators, name)(kv, *args, **kwargs)
 
@@ -59,15 +55,10 @@ def transfer(kv, destination, *args, **kwargs):
     """Copy kv's KV to `destination`: a replica handle (`cluster.replicas(model)[i]`) for a cluster
     ref; a `KVHost` or an `Engine` for an in-process ref (see operators.transfer)."""
     if _is_remote(kv):
-        from cluster import remote
-
         return remote.transfer(kv, destination, *args, **kwargs)
-    import operators
 
     if not isinstance(destination, operators.KVHost):
         if not hasattr(destination, "export_kv"):
-            from aaflow.errors import KVLocationError
-
             raise KVLocationError(f"transfer needs a destination engine or KVHost for an in-process KVRef, "
                                   f"got {type(destination).__name__}")
         destination = host_of(destination)
@@ -87,11 +78,7 @@ def pin(target, *args, **kwargs):
     system=)` pins a document on every replica of the model as the start of an agent prompt, so
     that workflows from any client reuse its KV until the pin expires (`cluster.pins`); it
     returns the pinned refs."""
-    from cluster.cluster import Cluster
-
     if isinstance(target, Cluster):
-        from cluster.pins import pin_context
-
         return pin_context(target, *args, **kwargs)
     return _pin_ref(target, *args, **kwargs)
 
@@ -101,10 +88,7 @@ unpin = _dispatch("unpin")
 def generate(kv, *args, **kwargs):
     """Continue kv's context with a prompt and generate (see `aaflow.continuation.generate`)."""
     if _is_remote(kv):
-        from cluster import remote
-
         return remote.generate(kv, *args, **kwargs)
-    from aaflow import continuation
 
     return continuation.generate(kv, *args, **kwargs)
 
@@ -112,9 +96,6 @@ def generate(kv, *args, **kwargs):
 def compose(*kvs, **kwargs):
     """Compose local or cluster KVRefs (see operators.compose)."""
     if kvs and _is_remote(kvs[0]):
-        from cluster import remote
-
         return remote.compose(*kvs, **kwargs)
-    import operators
 
     return operators.compose(*kvs, **kwargs)

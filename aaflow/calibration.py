@@ -3,15 +3,14 @@
 Each model's compute (prefill by new tokens and context, decode step by batch and context) is
 measured on one of its replicas, in its actor, with the replica's own threads; links are measured
 with real transfers between two replicas of one model, through every transport that runs here;
-the driver measures the cost of one replica call. `costmodel.calibration` fits the samples.
+the driver measures the cost of one replica call. `costmodel.fitting` fits the samples;
+`costmodel.profile_store` keeps the profiles.
 A compute entry is keyed by `model_key` (model, dtype, threads): profiles of other settings differ.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import socket
 import statistics
 import time
@@ -23,7 +22,13 @@ from aaflow.calibration_cores import concurrency_slowdown, lent_core_speedup, sa
 from aaflow.errors import CostModelError
 from aaflow.machine import cpu_kind, cpu_model
 from aaflow.progress import Stages
-from costmodel.hardware import HardwareProfile, LinkProfile, hardware_dir
+from cluster.replica_calls import call
+from cluster.replica_microbench import FULL_DECODE, FULL_PREFILL, QUICK_DECODE, QUICK_PREFILL
+from cluster.transports import available_transports
+from cluster.transports.registry import moves_in_place
+from costmodel.fitting import compute_profile_from_samples, fit_link, fit_quality, with_member_cost
+from costmodel.hardware import HardwareProfile, LinkProfile
+from costmodel.profile_store import cached_profile_path, covers, default_profile_name, find_profile, model_key
 
 LINK_TOKENS_QUICK = (128, 1024, 4096)
 LINK_TOKENS_FULL = (64, 256, 1024, 2048, 4096, 8192)
@@ -33,54 +38,7 @@ QUICK_CALIBRATION_S = 60  # about how long a quick calibration takes per model (
 QUICK_FIT_MAX_ERROR = 0.25
 
 
-def default_profile_name() -> str:
-    """This machine's profile name: `local-<hostname>-<cpu kind>` (see `aaflow.machine.cpu_kind`):
-    machines that share a hostname but not a CPU kind do not share a profile."""
-    return "local-" + re.sub(r"[^A-Za-z0-9_.-]", "-", f"{socket.gethostname()}-{cpu_kind()}")
-
-
-def cached_profile_path(name: str) -> Path:
-    """Where a profile calibrated on first use is kept: the user's aaflow cache."""
-    from aaflow.models.registry import cache_dir
-
-    return cache_dir() / "hardware" / f"{name}.yaml"
-
-
-def model_key(info: dict) -> str:
-    """The compute-entry key of a replica: model, dtype and threads (or the vLLM engine) change its speed."""
-    speed = "vllm" if info.get("engine") == "vllm" else f"{info['threads']}t"
-    return f"{Path(info['model']).name}|{info['dtype']}|{speed}"
-
-
-def find_profile(name: str | None = None) -> HardwareProfile | None:
-    """The calibrated profile of this machine, or None: `aaflow calibrate`'s (project configs),
-    completed by the entries calibrated on first use (the cache) for models it lacks."""
-    name = name or default_profile_name()
-    found = [_load(p) for p in (hardware_dir() / f"{name}.yaml", cached_profile_path(name)) if p.exists()]
-    if not found:
-        return None
-    profile = found[0]
-    for extra in found[1:]:
-        profile = replace(profile, compute={**extra.compute, **profile.compute},
-                          links={**extra.links, **profile.links})
-    return profile
-
-
-def _load(path: Path) -> HardwareProfile:
-    """`HardwareProfile.load`, memoized by the file's modification time and size (a profile is
-    immutable; `af.run(strategy="auto")` looks it up on every run, ~7 ms of YAML per file)."""
-    stat = path.stat()
-    return _load_version(str(path), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _load_version(path: str, mtime_ns: int, size: int) -> HardwareProfile:
-    return HardwareProfile.load(path)
-
-
 def _call_overhead_s(replica) -> float:
-    from cluster.replica_calls import call
-
     samples = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -92,10 +50,6 @@ def _call_overhead_s(replica) -> float:
 def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: float) -> tuple[dict, dict]:
     """Real transfers of `tokens`-long KV from replicas[0] to replicas[1] per transport: the time of
     the expose call on the source and the receive (fetch + import) on the destination."""
-    from cluster.replica_calls import call
-    from cluster.transports.registry import moves_in_place
-    from costmodel.calibration import fit_link
-
     src, dst = replicas[0], replicas[1]
     links, samples_out = {}, {}
     info = call(src, "info")
@@ -148,11 +102,6 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
         transports: links to measure (default: ray, nixl and ucx where they run here).
         base: a profile to extend (entries of models measured now are replaced).
     """
-    from cluster.calibration import FULL_DECODE, FULL_PREFILL, QUICK_DECODE, QUICK_PREFILL
-    from cluster.replica_calls import call
-    from cluster.transports import available_transports
-    from costmodel.calibration import compute_profile_from_samples, fit_quality, with_member_cost
-
     name = name or default_profile_name()
     compute = dict(base.compute) if base else {}
     links = dict(base.links) if base else {}
@@ -216,19 +165,11 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     return profile
 
 
-def covers(profile: HardwareProfile | None, infos: dict[str, dict]) -> bool:
-    """Whether `profile` has a compute entry for every replica described in `infos` and a link."""
-    return profile is not None and {model_key(i) for i in infos.values()} <= set(profile.compute) \
-        and bool(profile.links)
-
-
 def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
                    infos: dict[str, dict] | None = None) -> HardwareProfile:
     """This machine's profile with an entry for every model of `cluster`: loaded, or calibrated
     now (quick) for the models it lacks and saved to the cache for the next run. `infos` are the
     replicas' `info()` per model, when the caller has them already."""
-    from cluster.replica_calls import call
-
     infos = infos or {m: call(cluster.replicas(m)[0], "info") for m in cluster.models}
     profile = find_profile()
     if covers(profile, infos):

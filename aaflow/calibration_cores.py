@@ -9,6 +9,7 @@ import statistics
 from typing import Callable
 
 from aaflow.runtime.core_lending import lent_threads
+from cluster.replica_calls import call, submit
 
 
 def say(progress: Callable[[str], None] | None, message: str) -> None:
@@ -24,8 +25,6 @@ def concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float
     working set, and long contexts are where the planner's choice between overlapping and waiting
     matters. On a shared machine whose speed drifts, the two solo timings disagree; then the
     measurement is repeated (up to `attempts` times) and the median estimate kept."""
-    from cluster.replica_calls import call, submit
-
     if len(replicas) < 2:
         return 1.0
     pair = replicas[:2]
@@ -70,8 +69,6 @@ def lent_core_speedup(replicas, progress, tokens: int = 1024) -> float:
     """How much faster a `tokens`-token prefill runs on the first replica when the other built-in
     replicas of its node lend it their threads (>= 1): on its own threads, on the lent ones, on its
     own again, while the others idle; 1.0 when nothing can be lent."""
-    from cluster.replica_calls import call
-
     if not replicas:
         return 1.0
     first = replicas[0]

@@ -8,16 +8,26 @@ import importlib
 import sys
 import time
 
-from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
+import torch
+
+import aaflow as af
+from aaflow.cli_deploy import add_deploy_commands
+from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP, parse_engines
+from aaflow.cli_planning import add_planning_commands
+from aaflow.demo import run_demo
+from aaflow.engine import Engine
+from aaflow.errors import AAFlowError
+from aaflow.models import fetch_model
+from aaflow.planning.split import calibrate_splits, choose_split
 from aaflow.strategies import STRATEGIES
+from benchmarks import report as report_module
 
 BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "memory": "benchmarks.memory_bench",
     "fuzz": "benchmarks.fuzz_bench",
     "soak": "benchmarks.soak_bench",
-    "transfer": "benchmarks.kv_transfer_bench",
-    "workflow": "benchmarks.workflow_bench",
+    "transfer": "benchmarks.transfer_bench",
     "compose": "benchmarks.compose_bench",
     "crossover": "benchmarks.crossover_bench",
     "netns-crossover": "benchmarks.netns_crossover",
@@ -38,17 +48,11 @@ DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste comput
 
 
 def _demo(args) -> int:
-    from aaflow.demo import run_demo
-
     return run_demo(args.workflow, args.replicas, args.dtype, args.rounds, args.doc_tokens, args.deterministic,
                     args.kv_cache_bytes)
 
 
 def _chat(args) -> int:
-    import torch
-
-    from aaflow.engine import Engine
-
     torch.set_num_threads(args.threads)
     print(f"aaflow chat: loading {args.model} ({args.dtype}) with the built-in engine ...", flush=True)
     t0 = time.perf_counter()
@@ -65,8 +69,6 @@ def _chat(args) -> int:
 
 
 def _run(args) -> int:
-    import aaflow as af
-
     wf = af.load_workflow(args.workflow)
     engine, engines = parse_engines(args.engine)
     options = {"deterministic": True} if args.deterministic else {}
@@ -76,7 +78,6 @@ def _run(args) -> int:
     if replicas == "auto":
         if engine != "builtin" or engines:
             raise SystemExit("aaflow run: --replicas auto splits the cores among built-in replicas; give vLLM a count")
-        from aaflow.planning.split import calibrate_splits, choose_split
 
         calibrate_splits(wf, args.dtype)
         choice = choose_split(wf, dtype=args.dtype)
@@ -102,24 +103,7 @@ def _replicas_arg(value: str) -> int | str:
     return int(value)
 
 
-def parse_engines(values: list[str]) -> tuple[str, dict[str, str]]:
-    """`--engine` values ("vllm", or "MODEL=vllm" per model) -> (default engine, {model: engine})."""
-    engine, engines = "builtin", {}
-    for value in values:
-        model, _, kind = value.rpartition("=")
-        if kind not in ("builtin", "vllm"):
-            raise SystemExit(f"aaflow: --engine {value!r}: the engine must be 'builtin' or 'vllm' "
-                             "(for every model, or MODEL=vllm for one)")
-        if model:
-            engines[model] = kind
-        else:
-            engine = kind
-    return engine, engines
-
-
 def _fetch_model(args) -> int:
-    from aaflow.models import fetch_model
-
     path = fetch_model(args.name, force=args.force)
     print(path)
     return 0
@@ -193,7 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="download and convert again")
     fetch.set_defaults(func=_fetch_model)
 
-    from benchmarks import report as report_module
 
     report = sub.add_parser("report", help="regenerate docs/RESULTS.md's summary table from docs/results/*.json")
     report_module.add_arguments(report)
@@ -210,8 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_all.add_argument("--quick", action="store_true", help="pass --quick to every benchmark that has it")
     bench_all.set_defaults(func=_bench)
 
-    from aaflow.cli_deploy import add_deploy_commands
-    from aaflow.cli_planning import add_planning_commands
 
     add_planning_commands(sub)
     add_deploy_commands(sub)
@@ -220,7 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from aaflow.errors import AAFlowError
 
     try:
         return args.func(args)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP, parse_engines
+from aaflow.serving import DEFAULT_HOST, DEFAULT_PORT, serve
+from aaflow.submission import submit
+from cluster.deployment import down, status, up
 from cluster.scheduler_actor import LEASE_S
 
 ADDRESS_HELP = "the Ray cluster (`ray start --head` prints it, e.g. 127.0.0.1:6379); default: RAY_ADDRESS"
@@ -22,9 +26,6 @@ def parse_replicas(values: list[str]) -> dict[str, int]:
 
 
 def _up(args) -> int:
-    from aaflow.cli import parse_engines
-    from cluster.deployment import up
-
     engine, engines = parse_engines(args.engine)
     options = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
     cluster = up(parse_replicas(args.replicas or ["smollm2=2"]), address=args.address, dtype=args.dtype,
@@ -40,8 +41,6 @@ def _up(args) -> int:
 
 
 def _status(args) -> int:
-    from cluster.deployment import status
-
     rows = status(args.address)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
@@ -57,16 +56,12 @@ def _status(args) -> int:
 
 
 def _down(args) -> int:
-    from cluster.deployment import down
-
     names = down(args.address)
     print(f"aaflow deployment down: stopped {', '.join(names)}")
     return 0
 
 
 def _submit(args) -> int:
-    from aaflow.submission import submit
-
     def finished(name: str, text: str) -> None:
         print(f"--- {name} ---\n{text.strip()}\n", flush=True)
 
@@ -82,17 +77,12 @@ def _submit(args) -> int:
 
 
 def _serve(args) -> int:
-    from aaflow.serving import serve
-
     serve(args.address, host=args.host, port=args.port, default_max_tokens=args.max_tokens)
     return 0
 
 
 def add_deploy_commands(sub) -> None:
     """Add up, status, down, submit and serve to the `aaflow` subcommands."""
-    from aaflow.serving import DEFAULT_HOST, DEFAULT_PORT
-    from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
-
     up = sub.add_parser("up", help="start a long-lived deployment (detached replicas) on a running Ray cluster")
     up.add_argument("--address", default=None, help=ADDRESS_HELP)
     up.add_argument("--replicas", action="append", metavar="MODEL=N",

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 
+import aaflow as af
 from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
+from aaflow.planning import replica_infos
+from costmodel.hardware import available_hardware, hardware_dir, load_hardware
+from costmodel.model_profile import model_profile
+from costmodel.profile_store import covers, default_profile_name, find_profile
+from costmodel.units import format_bandwidth, format_seconds
+from costmodel.whatif import break_even_bandwidth, break_even_context, transfer_speedup
 
 
 def _hardware_name(name: str | None) -> str | None:
     """A profile name, path, or unique prefix of a shipped one ("a100" -> "a100-80gb")."""
-    from costmodel.hardware import available_hardware
-
     if name is None or name in available_hardware() or name.endswith((".yaml", ".yml")):
         return name
     matches = [h for h in available_hardware() if h.startswith(name)]
@@ -18,18 +26,11 @@ def _hardware_name(name: str | None) -> str | None:
 
 
 def _plan(args) -> int:
-    import json
-
-    import aaflow as af
-
     wf = af.load_workflow(args.workflow)
     replicas = {a.model: args.replicas for a in wf.agents()}
     hardware = _hardware_name(args.hardware)
     cluster = None
     if hardware is None:
-        from aaflow.calibration import covers, find_profile
-        from aaflow.planning import replica_infos
-
         if not covers(find_profile(), replica_infos(replicas, args.dtype)):  # calibrating needs live replicas
             print(f"aaflow plan: this machine has no calibrated profile for {', '.join(replicas)} in {args.dtype} yet; "
                   "starting replicas to calibrate ...")
@@ -50,15 +51,8 @@ def _plan(args) -> int:
 
 def _breakeven(args) -> int:
     """Transfer vs recompute what-ifs for a model on a hardware profile."""
-    from costmodel.hardware import load_hardware
-    from costmodel.model_profile import model_profile
-    from costmodel.units import format_bandwidth, format_seconds
-    from costmodel.whatif import break_even_bandwidth, break_even_context, transfer_speedup
-
     hardware = _hardware_name(args.hardware)
     if hardware is None:
-        from aaflow.calibration import find_profile
-
         profile = find_profile()
         if profile is None:
             print("aaflow breakeven: no calibrated profile here; run `aaflow calibrate` or pass --hardware NAME",
@@ -69,8 +63,6 @@ def _breakeven(args) -> int:
     model = model_profile(args.model)
     key = next((k for k in profile.compute if k.split("|")[0] == args.model), None)
     if key is not None:
-        from dataclasses import replace
-
         model = replace(model, name=key)
     compute = profile.compute_for(model)
     label = "measured here" if profile.measured else "PROJECTION (public figures, not measured here)"
@@ -88,12 +80,6 @@ def _breakeven(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from pathlib import Path
-
-    import aaflow as af
-    from aaflow.calibration import default_profile_name
-    from costmodel.hardware import hardware_dir
-
     name = args.name or default_profile_name()
     out = Path(args.out) if args.out else hardware_dir() / f"{name}.yaml"
     cluster = af.init(replicas={args.model: args.replicas}, dtype=args.dtype)

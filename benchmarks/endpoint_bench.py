@@ -29,7 +29,7 @@ def run(args) -> dict:
     from benchmarks.http_load import run_http
     from benchmarks.ray_head import free_ports
     from benchmarks.scaling_bench import context_text
-    from benchmarks.workflows_bench import fan_out_workflow
+    from benchmarks.workflow_shapes import fan_out_workflow
 
     cluster = af.init(replicas={"smollm2": args.replicas}, dtype=args.dtype)
     server = BackgroundServer(serving_app(cluster), port=free_ports(1)[0])

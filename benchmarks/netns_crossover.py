@@ -4,7 +4,7 @@ network namespaces, measured against the cost model's prediction (issue 26, part
 `cluster.netns.NetnsTestbed` makes two namespaced hosts joined by a veth link through a bridge,
 each running a Ray node with one CPU, and this driver runs inside host 0. One replica of the
 model sits on each node (STRICT_SPREAD). For every link rate (`tc tbf` on both ends of each link)
-it measures the link's achieved throughput (one bulk TCP stream, `cluster.netns.measure_link`),
+it measures the link's achieved throughput (one bulk TCP stream, `cluster.netns_link.measure_link`),
 then, for every context length C and transport (ray, nixl and ucx over UCX_TLS=tcp on the veth):
 the KV of C tokens is materialized on the source replica and moved to the destination
 (`af.transfer`), which prefills a 16-token question after it (transfer TTFT); against that, the
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     """Build the testbed, run the measurements inside host 0, tear everything down."""
-    from cluster.netns import NetnsTestbed, available
+    from cluster.netns import NetnsTestbed
+    from cluster.netns_layout import available
     from cluster.transports import available_transports
 
     ok, why = available()
@@ -112,8 +113,9 @@ def inside(settings: dict) -> dict:
     import ray
 
     import aaflow as af
-    from aaflow.calibration import calibrate, model_key
-    from cluster.netns import DEVICE, Layout, set_rate
+    from aaflow.calibration import calibrate
+    from costmodel.profile_store import model_key
+    from cluster.netns_layout import DEVICE, Layout, set_rate
     from cluster.netns_link import measure_link
     from costmodel.hardware import LinkProfile
 

@@ -92,7 +92,7 @@ def run_grid(af, ray, cluster, calibrate_now, args) -> tuple[list[dict], list]:
     """Every cell of the grid; the profile is calibrated first, and again before each context length
     with `--recalibrate`; with `--track-drift` each cell's predictions use it scaled by the speed
     measured just before the cell (this shared machine's speed drifts). Returns (cells, profiles)."""
-    from aaflow.calibration import model_key
+    from costmodel.profile_store import model_key
     from aaflow.planning import plan_checked, replica_infos, workflow_spec
     from aaflow.runtime import prompt_builders
 

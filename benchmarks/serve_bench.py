@@ -64,7 +64,7 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
     workflows' tokens differ."""
     import ray
 
-    from aaflow.runtime.service import service_for
+    from cluster.ray_backend import service_for
 
     peak: dict[str, int] = {}
 

@@ -1,224 +1,139 @@
-"""Transport microbenchmark: bandwidth and latency of every available KV transport.
+"""`aaflow bench transfer`: each KV transport's raw bandwidth and latency (`transport_rates`, skip
+with `--skip-raw`), then SmolLM2 KV between two replicas in two processes, per transport.
 
-For each transport, between two processes (two Ray actors; `local` runs in-process):
-- fetch of a 64 MiB tensor into a warm, preallocated `out` (median of `--repeats` after
-  `--warmup`), and the source-side `expose` time of the same tensor (for `ray` that is
-  the copy into the object store; for `nixl` a registration);
-- latency of a small (4 KiB) fetch, same protocol;
-plus in-process `torch.copy_` into a preallocated buffer: the physical bound here, measured
-at the start and again right before each transport ("of memcpy" uses the latter: this
-machine is shared, and ratios are only meaningful side by side).
-Each fetched tensor is checked bit for bit once. Writes JSON to `--out`, prints a table.
-
-    python benchmarks/transfer_bench.py --out results/transfer_bench.json
+For each context length: the downstream replica's TTFT when it receives the context's KV over a
+transport (expose + fetch + import, then prefill the question) next to its TTFT when it
+recomputes the context from text (the AAFLOW+ TTFT experiment, measured instead of modeled),
+and the transport's bandwidth next to in-process memcpy bandwidth measured in the same run.
+Prefix caching is off on both replicas so that nothing is served from cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shutil
 import statistics
-import tempfile
 import time
-from importlib import metadata
 
 import torch
 
-from cluster.transports import available_transports, get_transport
-from cluster.transports.base import as_bytes
+from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, write_json
+from benchmarks.transport_rates import measure_transports, print_table
 
 
-class BenchPeer:
-    """A transport endpoint holding one source tensor and one preallocated `out` per size."""
-
-    def __init__(self, name: str) -> None:
-        self.transport = get_transport(name)
-        self.sources: dict[int, torch.Tensor] = {}
-        self.outs: dict[int, torch.Tensor] = {}
-
-    def expose(self, nbytes: int):
-        """Expose the (cached) source tensor of `nbytes`; returns (handle, seconds)."""
-        if nbytes not in self.sources:
-            self.sources[nbytes] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-        start = time.perf_counter()
-        handle = self.transport.expose(self.sources[nbytes])
-        return handle, time.perf_counter() - start
-
-    def release(self, handle) -> None:
-        self.transport.release(handle)
-
-    def checksum(self, nbytes: int, which: str) -> int:
-        tensor = (self.sources if which == "source" else self.outs)[nbytes]
-        return int(as_bytes(tensor).view(torch.int64).sum())
-
-    def fetch(self, handle) -> float:
-        """Fetch into the warm `out` of this size; returns the fetch's own seconds."""
-        out = self.outs.get(handle.nbytes)
-        if out is None:
-            out = self.outs[handle.nbytes] = torch.full((handle.nbytes,), 1, dtype=torch.uint8)
-        return self.transport.fetch(handle, out, timeout_s=60.0).seconds
-
-    def close(self) -> None:
-        self.transport.close()
+def _context(n: int, seed: int, vocab: int) -> list[int]:
+    return torch.randint(1000, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _summary(samples: list[float], nbytes: int) -> dict:
-    median = statistics.median(samples)
-    return {
-        "nbytes": nbytes,
-        "median_s": median,
-        "samples_s": samples,
-        "bandwidth_bytes_per_s": nbytes / median,
-    }
+def _transfer_once(ray, src, dst, ref_id: str, transport: str):
+    """Expose on `src`, receive on `dst`; returns (record, stats, seconds until the KV is usable on
+    `dst`, the source's pending release). The release frees only the source's staging buffer, so it
+    runs off the critical path, as in the executor."""
+    t0 = time.perf_counter()
+    handle, shape, record = ray.get(src.expose.remote(ref_id, transport))
+    received, stats = ray.get(dst.receive.remote(handle, shape, record, transport))
+    wall = time.perf_counter() - t0
+    return received, stats, wall, src.release.remote(handle, transport)
 
 
-def memcpy_bound(nbytes: int, repeats: int, warmup: int) -> dict:
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    samples = []
-    warmup = max(warmup, 3)  # the first copies in a process pay page faults and thread start-up
-    for i in range(warmup + repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        if i >= warmup:
-            samples.append(time.perf_counter() - start)
-    return _summary(samples, nbytes) | {"threads": torch.get_num_threads()}
+def run(args) -> dict:
+    if getattr(args, "quick", False):
+        args.lengths, args.repeats = [512, 4096], 2
+    import ray
 
+    from aaflow.models import resolve_model_path
+    from cluster.actors import replica_actor, start_ray
+    from cluster.transports import available_transports
 
-def bench_pair(source, destination, call, nbytes: int, repeats: int, warmup: int) -> dict:
-    handle, _ = call(source.expose, nbytes)
-    fetch_s = [call(destination.fetch, handle) for _ in range(warmup + repeats)][warmup:]
-    exact = call(source.checksum, nbytes, "source") == call(destination.checksum, nbytes, "out")
-    call(source.release, handle)
-    expose_s = []
-    for _ in range(repeats):
-        handle, seconds = call(source.expose, nbytes)
-        expose_s.append(seconds)
-        call(source.release, handle)
-    return {
-        "fetch": _summary(fetch_s, nbytes),
-        "expose": _summary(expose_s, nbytes),
-        "exact": exact,
-    }
-
-
-def run_transport(name: str, args, ray_module) -> dict:
-    if name == "local":
-        source, destination = BenchPeer(name), BenchPeer(name)
-        call = lambda method, *a: method(*a)  # noqa: E731
-    else:
-        actor = ray_module.remote(BenchPeer).options(num_cpus=0)
-        source, destination = actor.remote(name), actor.remote(name)
-        call = lambda method, *a: ray_module.get(method.remote(*a), timeout=300)  # noqa: E731
+    model = str(resolve_model_path(args.model))
+    transports = [t for t, ok in available_transports().items() if ok is True and t != "local"]
+    transports = [t for t in transports if not args.transports or t in args.transports]
+    start_ray(num_cpus=2)
+    raw = None
+    if not args.skip_raw:  # the transports alone, before the replicas load (every available one, `local` too)
+        raw = measure_transports([t for t, ok in available_transports().items() if ok is True
+                                  and (not args.transports or t in args.transports or t == "local")],
+                                 args.size_mib, 4096, args.raw_repeats, 1)
+        print_table(raw)
+    pool = int(max(args.lengths) * 2.5) * kv_bytes_per_token(args.dtype)
+    kw = dict(dtype=args.dtype, threads=args.threads, kv_cache_bytes=pool, prefix_caching=False)
+    src, dst = replica_actor("bench-src", model, 0.5, **kw), replica_actor("bench-dst", model, 0.5, **kw)
+    vocab = 49152
+    question = _context(16, 999, vocab)
+    rows = []
     try:
-        large = bench_pair(
-            source, destination, call, args.size_mib * 2**20, args.repeats, args.warmup
-        )
-        small = bench_pair(
-            source, destination, call, args.small_bytes, args.repeats, args.warmup + 2
-        )
+        ray.get([src.info.remote(), dst.info.remote()])
+        bandwidth = ray.get(dst.memcpy_bandwidth.remote())  # where the fetches land, same run
+        log(f"memcpy in the destination replica: {bandwidth / 1e9:.2f} GB/s")
+        for n in args.lengths:
+            ctx_seeds = iter(range(n * 100, n * 100 + 1000))
+            recompute = [ray.get(dst.generate_text.remote(_context(n, next(ctx_seeds), vocab) + question, 1)).ttft_s
+                         for _ in range(args.repeats)]
+            row = {"tokens": n, "recompute_ttft_s": statistics.median(recompute), "transports": {}}
+            for transport in transports:
+                samples = []
+                for _ in range(args.repeats + 1):  # first one warms registrations and pages
+                    record = ray.get(src.materialize.remote(_context(n, next(ctx_seeds), vocab)))
+                    received, stats, wall, release = _transfer_once(ray, src, dst, record.id, transport)
+                    cont = ray.get(dst.generate.remote(received.id, question, 1))
+                    ray.get(release)
+                    samples.append({"fetch_s": stats.seconds, "transfer_wall_s": wall, "continue_ttft_s": cont.ttft_s,
+                                    "nbytes": stats.nbytes})
+                    ray.get([src.free.remote(record.id), dst.free.remote(received.id)])
+                samples = samples[1:]
+                med = {k: statistics.median(s[k] for s in samples) for k in samples[0] if k != "nbytes"}
+                ttft = med["transfer_wall_s"] + med["continue_ttft_s"]
+                row["transports"][transport] = {
+                    **med, "nbytes": samples[0]["nbytes"], "ttft_s": ttft,
+                    "fetch_bytes_per_s": samples[0]["nbytes"] / med["fetch_s"],
+                    "fetch_fraction_of_memcpy": samples[0]["nbytes"] / med["fetch_s"] / bandwidth,
+                    "ttft_reduction_x": row["recompute_ttft_s"] / ttft,
+                    "context_ready_x": row["recompute_ttft_s"] / med["transfer_wall_s"],
+                }
+                t = row["transports"][transport]
+                log(f"{n:>5} tokens, {transport:>5}: {t['nbytes'] / 2**20:6.1f} MiB fetched at "
+                    f"{t['fetch_bytes_per_s'] / 1e9:5.2f} GB/s ({t['fetch_fraction_of_memcpy']:.0%} of memcpy); "
+                    f"TTFT {ttft * 1e3:6.1f} ms vs recompute {row['recompute_ttft_s'] * 1e3:7.1f} ms "
+                    f"= {t['ttft_reduction_x']:.1f}x (context ready {t['context_ready_x']:.0f}x sooner)")
+            rows.append(row)
     finally:
-        for peer in (source, destination):
-            call(peer.close)
-        if name != "local":
-            for peer in (source, destination):
-                ray_module.kill(peer)
-    return {"large": large, "small": small}
+        ray.get([src.close.remote(), dst.close.remote()])
+        ray.shutdown()
+    report = {"benchmark": "transfer", "machine": machine_facts(), "model": model,
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
+              "memcpy_bytes_per_s": bandwidth, "rows": rows, "raw_transports": raw}
+    write_json(args.out, report)
+    _plot(args.out, report)
+    return report
 
 
-def _versions() -> dict:
-    found = {}
-    for package in ["torch", "ray", "nixl", "ucxx-cu12", "numpy"]:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2")
+    add_dtype_argument(p)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per replica (two replicas share the cores)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8160],
+                   help="context tokens (SmolLM2 has 8,192 positions; the question needs 16 of them)")
+    p.add_argument("--transports", nargs="*", default=None, help="default: every available one")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="results/transfer.json")
+    p.add_argument("--quick", action="store_true", help="two lengths, two repeats")
+    p.add_argument("--skip-raw", action="store_true", help="skip the raw transports' bandwidth and latency")
+    p.add_argument("--size-mib", type=int, default=64, help="the raw transports' large fetch")
+    p.add_argument("--raw-repeats", type=int, default=5)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="path of the JSON results")
-    parser.add_argument("--size-mib", type=int, default=64)
-    parser.add_argument("--small-bytes", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--transports", nargs="*", help="default: every available one")
-    args = parser.parse_args()
+def _plot(out, report) -> None:
+    from benchmarks.plots import write_plot
 
-    available = available_transports()
-    names = args.transports or [n for n, ok in available.items() if ok is True]
-    results = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "loadavg_start": os.getloadavg(),
-            "versions": _versions(),
-        },
-        "params": vars(args),
-        "available": available,
-        "memcpy": memcpy_bound(args.size_mib * 2**20, args.repeats, args.warmup),
-        "transports": {},
-    }
-    ray_module, ray_temp_dir = None, tempfile.mkdtemp(prefix="aaf-ray-", dir="/tmp")
-    if any(n != "local" for n in names):
-        import ray
-
-        from cluster.actors import loopback_only
-
-        loopback_only()  # without it Ray 2.60 listens on every interface
-        ray.init(
-            num_cpus=2,
-            _node_ip_address="127.0.0.1",
-            include_dashboard=False,
-            _temp_dir=ray_temp_dir,
-            logging_level="ERROR",
-            object_store_memory=2 * 2**30,
-        )
-        ray_module = ray
-    try:
-        for name in names:
-            # the machine is shared and noisy: measure the bound again next to each transport
-            bound = memcpy_bound(args.size_mib * 2**20, args.repeats, args.warmup)
-            results["transports"][name] = run_transport(name, args, ray_module)
-            results["transports"][name]["memcpy_alongside"] = bound
-    finally:
-        if ray_module is not None:
-            ray_module.shutdown()
-        shutil.rmtree(ray_temp_dir, ignore_errors=True)
-    results["machine"]["loadavg_end"] = os.getloadavg()
-
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2, default=str)
-    print_table(results)
-
-
-def print_table(results: dict) -> None:
-    bound = results["memcpy"]["bandwidth_bytes_per_s"]
-    size = results["params"]["size_mib"]
-    small = results["params"]["small_bytes"]
-    print(
-        f"{'transport':<10} {f'fetch {size} MiB':>16} {'of memcpy':>10} {f'expose {size} MiB':>16} "
-        f"{f'latency {small} B':>16} {'exact':>6}"
-    )
-    print(f"{'memcpy':<10} {bound / 1e9:>11.2f} GB/s {'100%':>10} {'':>16} {'':>16} {'':>6}")
-    for name, r in results["transports"].items():
-        fetch, expose, lat = r["large"]["fetch"], r["large"]["expose"], r["small"]["fetch"]
-        exact = r["large"]["exact"] and r["small"]["exact"]
-        alongside = r["memcpy_alongside"]["bandwidth_bytes_per_s"]
-        bandwidth = fetch["bandwidth_bytes_per_s"]
-        print(
-            f"{name:<10} {bandwidth / 1e9:>11.2f} GB/s {bandwidth / alongside:>10.0%} "
-            f"{expose['median_s'] * 1e3:>13.2f} ms {lat['median_s'] * 1e6:>13.0f} us "
-            f"{str(exact):>6}   (memcpy alongside {alongside / 1e9:.2f} GB/s)"
-        )
-    machine = results["machine"]
-    print(f"load average start {machine['loadavg_start']}, end {machine['loadavg_end']}")
-
-
-if __name__ == "__main__":
-    main()
+    rows = report["rows"]
+    names = sorted({t for r in rows for t in r["transports"]})
+    ttft = {t: {r["tokens"]: r["transports"][t]["ttft_s"] * 1e3 for r in rows if t in r["transports"]}
+            for t in names}
+    ttft["recompute"] = {r["tokens"]: r["recompute_ttft_s"] * 1e3 for r in rows}
+    fetch = {t: {r["tokens"]: r["transports"][t]["fetch_bytes_per_s"] / 1e9 for r in rows if t in r["transports"]}
+             for t in names}
+    write_plot(out, [
+        {"title": "downstream TTFT", "xlabel": "context tokens", "ylabel": "ms", "logx": True, "logy": True,
+         "series": ttft},
+        {"title": "fetch bandwidth", "xlabel": "context tokens", "ylabel": "GB/s", "logx": True, "series": fetch,
+         "hlines": {"memcpy (same run)": report["memcpy_bytes_per_s"] / 1e9}},
+    ], suptitle="KV transfer between two replica processes (SmolLM2)")

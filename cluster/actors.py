@@ -7,7 +7,13 @@ import tempfile
 import weakref
 from pathlib import Path
 
-# Loopback-only settings for UCX-based transports inside actors (see PLATFORM.md).
+import ray
+from ray._private import ray_constants
+
+from cluster.replica import ModelReplica
+
+# Loopback-only settings for UCX-based transports inside actors (one host; `Cluster(actor_env=...)`
+# replaces them across hosts).
 ACTOR_ENV = {
     "UCX_NET_DEVICES": "lo",
     "GLOO_SOCKET_IFNAME": "lo",
@@ -26,8 +32,6 @@ def loopback_only() -> None:
     """Ray 2.60 replaces `_node_ip_address="127.0.0.1"` by the machine's routable address and its
     gRPC servers then listen on every interface, unless it believes it runs a single-machine
     cluster: then every Ray process binds 127.0.0.1 (checked with `ss -ltnp`)."""
-    from ray._private import ray_constants
-
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by Ray's own processes
     ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init in this process
 
@@ -44,8 +48,6 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir:
     """Join `address`, or start a local Ray bound to 127.0.0.1 with no dashboard (nothing on 0.0.0.0).
     `actor_env` overrides `ACTOR_ENV` for the actors (e.g. UCX_NET_DEVICES of a real link); it has no
     effect where Ray already runs in this process."""
-    import ray
-
     if ray.is_initialized():
         return ray
     env = {"env_vars": {**ACTOR_ENV, **(actor_env or {})}}
@@ -67,19 +69,12 @@ _REPLICA_ACTORS: "weakref.WeakSet" = weakref.WeakSet()  # replica actors this pr
 
 def replica_actor(name: str, model: str, num_cpus: float = 1, **replica_kwargs):
     """Create a `ModelReplica` as a named Ray actor (its calls run one at a time)."""
-    import ray
-
-    from cluster.replica import ModelReplica
-
     actor_cls = ray.remote(ModelReplica)
     actor = actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1).remote(name, model, **replica_kwargs)
     _REPLICA_ACTORS.add(actor)
     return actor
 
 
-def live_replica_actors() -> list:
-    """Replica actors this process created that are still referenced: those `replica_actor` made and
-    those of clusters not shut down (dead ones included: callers skip what no longer answers)."""
-    from cluster.cluster import live_clusters
-
-    return list(_REPLICA_ACTORS) + [r.actor for c in live_clusters() for r in c._replicas]
+def replica_actors_made() -> list:
+    """The replica actors `replica_actor` made in this process that are still referenced."""
+    return list(_REPLICA_ACTORS)

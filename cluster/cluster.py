@@ -7,7 +7,17 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from aaflow.engine import decode_kernel
+from aaflow.engine.dtypes import resolve_dtype
+from aaflow.engine.kv_budget import default_kv_cache_bytes
+from aaflow.engines_vllm import check_vllm
 from aaflow.errors import AAFlowError
+from cluster.actors import replica_actors_made, start_ray
+from cluster.observed import observed
 from cluster.replica_api import REPLICAS, replica_class
 
 _LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -47,8 +57,6 @@ def engine_per_model(replicas: dict[str, int], engine: str = "builtin", engines:
     if bad:
         raise ValueError(f"unknown engine(s) {bad}; choose one of {ENGINES}")
     if "vllm" in kinds.values():
-        from aaflow.engines_vllm import check_vllm
-
         check_vllm()
     return kinds
 
@@ -74,22 +82,12 @@ class Cluster:
                  placement_strategy: str = "PACK", engine: str = "builtin", engines: dict[str, str] | None = None,
                  vllm_options: dict | None = None, restarts: int = 0, detached: bool = False,
                  actor_env: dict[str, str] | None = None, **engine_kwargs) -> None:
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from aaflow.engine.dtypes import resolve_dtype
-        from cluster.actors import start_ray
-        from cluster.observed import observed
-
         if not replicas or any(not isinstance(n, int) or n < 1 for n in replicas.values()):
             raise ValueError(f"replicas must map model names to counts >= 1, got {replicas!r}")
         kinds = engine_per_model(replicas, engine, engines)  # before Ray starts: vLLM missing fails here
         dtypes = {"builtin": resolve_dtype(dtype), "vllm": "bfloat16" if dtype == "auto" else dtype}
         if address is None and dtypes["builtin"] == "bfloat16" and "builtin" in kinds.values():
-            from aaflow.engine import decode_kernel  # built here, where its progress line shows; replicas load it
-
-            decode_kernel.load()
+            decode_kernel.load()  # built here, where its progress line shows; replicas load it
         self._pg, self._attached, self.restarts = None, False, restarts
         self._owns_ray = not ray.is_initialized() and address is None
         start_ray(address=address, num_cpus=num_cpus, actor_env=actor_env)
@@ -107,8 +105,6 @@ class Cluster:
             )
         threads = max(1, int((num_cpus or os.cpu_count() or 1) // total))
         if "kv_cache_bytes" not in engine_kwargs and "num_blocks" not in engine_kwargs:
-            from aaflow.engine.kv_budget import default_kv_cache_bytes
-
             builtin = sum(n for m, n in replicas.items() if kinds[m] == "builtin")
             engine_kwargs["kv_cache_bytes"] = default_kv_cache_bytes(builtin)  # as if they shared this machine
         actor_cls = {kind: ray.remote(observed(replica_class(kind))) for kind in set(kinds.values())}
@@ -167,8 +163,6 @@ class Cluster:
     def shutdown(self) -> None:
         """Stop the replicas and, if `af.init` started Ray, Ray itself. A cluster from `af.connect`
         only disconnects: the deployment's replicas keep running for other clients."""
-        import ray
-
         for service in self.__dict__.pop("_run_services", {}).values():  # the runs' scheduling loops
             service.stop()
         if not self._attached:
@@ -180,9 +174,6 @@ class Cluster:
     def terminate(self) -> None:
         """Stop the replicas and release their placement group, started here or attached to
         (`aaflow down`); Ray keeps running."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         for r in self._replicas:
             try:
                 ray.get(r.actor.close.remote(), timeout=30)
@@ -199,6 +190,12 @@ class Cluster:
 def live_clusters() -> list[Cluster]:
     """Clusters of this process that are not shut down (a leak check's view)."""
     return [c for c in list(_LIVE_CLUSTERS) if not c._closed]
+
+
+def live_replica_actors() -> list:
+    """Replica actors this process created that are still referenced: those `replica_actor` made and
+    those of clusters not shut down (dead ones included: callers skip what no longer answers)."""
+    return replica_actors_made() + [r.actor for c in live_clusters() for r in c._replicas]
 
 
 def init(replicas: dict[str, int], address: str | None = None, **kwargs) -> Cluster:

@@ -16,12 +16,16 @@ cancelled and its KV freed.
 from __future__ import annotations
 
 import os
+import socket
 import time
 
+import ray
+
 from aaflow.errors import DeploymentError, InvalidArgumentError
+from cluster.actors import start_ray
 from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster, ReplicaHandle
-from cluster.scheduler_actor import LEASE_S, find_scheduler, start_scheduler
 from cluster.ray_auth import auth_hint, enable_here
+from cluster.scheduler_actor import LEASE_S, find_scheduler, start_scheduler
 
 RECORD_NAME = "deployment"
 
@@ -51,8 +55,6 @@ def _address(address: str | None) -> str:
 
 def _check_listening(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast where nothing listens at a "host:port" address (Ray would retry for minutes)."""
-    import socket
-
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return  # "auto" and the like: Ray resolves them
@@ -65,10 +67,6 @@ def _check_listening(address: str, timeout_s: float = 5.0) -> None:
 
 def _join(address: str | None) -> tuple[str, bool]:
     """Join the Ray cluster at `address` (or RAY_ADDRESS); returns it and whether this call started Ray here."""
-    import ray
-
-    from cluster.actors import start_ray
-
     address = _address(address)
     _check_listening(address)
     owns = not ray.is_initialized()
@@ -85,8 +83,6 @@ def _join(address: str | None) -> tuple[str, bool]:
 def _record(address: str | None):
     """Join the cluster and read its deployment: (record actor, its state, whether Ray started here).
     Raises `DeploymentError` (leaving Ray as it found it) when there is none."""
-    import ray
-
     address, owns = _join(address)
     try:
         record = ray.get_actor(RECORD_NAME, namespace=DEPLOYMENT_NAMESPACE)
@@ -108,7 +104,6 @@ def up(replicas: dict[str, int], address: str | None = None, client_lease_s: flo
     positive number of seconds."""
     if not (isinstance(client_lease_s, (int, float)) and 0 < client_lease_s < float("inf")):
         raise InvalidArgumentError(f"client_lease_s must be a positive number of seconds, got {client_lease_s!r}")
-    import ray
 
     address, owns = _join(address)
     try:
@@ -153,8 +148,6 @@ def status(target: Cluster | str | None = None) -> list[dict]:
     """Per replica of a deployment (a connected cluster, or an address): name, model, engine,
     CPUs, node, KV bytes held / pinned / evictable, queue depth (sessions open), prefill tokens
     computed / reused, KV bytes received and busy seconds."""
-    import ray
-
     cluster = target if isinstance(target, Cluster) else connect(target)
     try:
         handles = cluster.replicas()
@@ -171,8 +164,6 @@ def status(target: Cluster | str | None = None) -> list[dict]:
 def down(address: str | None = None) -> list[str]:
     """Stop the deployment on the Ray cluster at `address` (or RAY_ADDRESS): its replicas, their
     placement group and its record. Returns the names of the replicas stopped."""
-    import ray
-
     record, state, owns = _record(address)
     cluster = Cluster.attach(state["replicas"], state["info"], placement=state["placement"])
     names = [r.name for r in cluster.replicas()]

@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 
+from aaflow.errors import KVTransferError
+
 KILL_POINTS = ("materialize", "prefill", "step", "expose", "receive")
 
 
@@ -82,8 +84,6 @@ class FaultInjection:
         left -= 1
         self.armed = (kind, left) if left > 0 else None
         if kind == "transfer":
-            from aaflow.errors import KVTransferError
-
             raise KVTransferError("injected transfer failure")
         if left <= 0 and kind == "crash":
             os._exit(1)

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from cluster.netns import Layout, NetnsError, checked, netns_argv
+from cluster.netns_layout import Layout, NetnsError, checked, netns_argv
 
 _SINK = """
 import socket, sys

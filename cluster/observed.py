@@ -23,7 +23,10 @@ touches no engine state, only the values the actor's own thread computed.
 from __future__ import annotations
 
 import functools
+import threading
 import time
+
+from ray.util.metrics import Counter, Gauge
 
 REFRESH_S = 0.25
 RESEND_S = 1.0
@@ -73,8 +76,6 @@ class _Metrics:
     """The replica's Ray metrics, created in the actor process on its first call."""
 
     def __init__(self, tags: dict[str, str]) -> None:
-        from ray.util.metrics import Counter, Gauge
-
         keys = tuple(tags)
         self.tags = tags
         self.gauges = {name: Gauge(f"aaflow_{name}", description=doc, tag_keys=keys) for name, doc in (
@@ -95,8 +96,6 @@ class _Metrics:
             self.gauges[name].set(float(value), tags=self.tags)
 
     def start_resending(self) -> None:
-        import threading
-
         def resend() -> None:
             while True:
                 time.sleep(RESEND_S)

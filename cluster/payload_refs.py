@@ -17,6 +17,7 @@ from typing import Callable
 from aaflow.engine.sequence import KVExport
 from aaflow.errors import KVEvictedError, KVRefFreedError
 from operators.ref import FidelityReport
+from operators.spill import load_spilled, spill_export
 
 
 @dataclass
@@ -66,8 +67,6 @@ class PayloadRefs:
         if entry.payload is None:
             return
         if spill:
-            from operators.spill import spill_export
-
             if self._spill_dir is None:
                 self._spill_dir = Path(tempfile.mkdtemp(prefix="aaflow-spill-"))
             entry.spill_path = spill_export(entry.payload, self._spill_dir / f"{ref_id.replace('/', '_')}.safetensors")
@@ -93,8 +92,6 @@ class PayloadRefs:
 
     def _restore(self, ref_id: str, entry: _Entry) -> KVExport:
         if entry.spill_path is not None:
-            from operators.spill import load_spilled
-
             loaded = load_spilled(entry.spill_path, self.fingerprint)
             entry.spill_path.unlink(missing_ok=True)
             entry.spill_path = None

@@ -10,6 +10,7 @@ reusable until the pool needs them for something else.
 from __future__ import annotations
 
 from aaflow.errors import ModelMismatchError
+from aaflow.runtime import prompt_builders
 from cluster.cluster import Cluster, ReplicaHandle
 from cluster.remote import RemoteKVRef, materialize, pin
 
@@ -17,8 +18,6 @@ from cluster.remote import RemoteKVRef, materialize, pin
 def prompt_prefix(model: str, text: str, system: str | None = None) -> list[int]:
     """The token ids an agent of `model` whose prompt starts with context `text` prefills first:
     the chat template's header (with `system`) and the text (`PromptBuilder.segments` joins them so)."""
-    from aaflow.runtime import prompt_builders
-
     builder = prompt_builders({model})[0][model]  # the process's tokenizer for `model`, loaded once
     head, _ = builder.frame(system)
     return list(head + builder.ids(text))

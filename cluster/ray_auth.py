@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
 
 def token_exists(env=os.environ) -> bool:
     """A Ray auth token is there for `env`: RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH names
@@ -32,8 +34,6 @@ def enable_here() -> None:
     own `ray start` decides it for a head. Ray caches its auth mode when it is imported: setting
     RAY_AUTH_MODE in `os.environ` afterwards is not seen unless its config is refreshed, which Ray's
     helper does (the `aaflow` commands import Ray before they join a cluster)."""
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
-
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 

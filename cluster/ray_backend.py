@@ -7,6 +7,7 @@ scheduler (`aaflow.runtime.scheduler`, which drives replicas through `aaflow.run
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import ray
@@ -14,6 +15,7 @@ import ray
 from aaflow.planning import machine_prefix_costs
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.calls import Call
+from aaflow.runtime.service import RunService
 from cluster.replica_api import default_transport
 from cluster.replica_calls import call_result
 
@@ -86,3 +88,18 @@ class RayBackend(Backend):
             time.sleep(min(timeout_s, 0.2))
             return False
         return True
+
+
+def service_for(cluster, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
+                lend_cores: bool = True) -> RunService:
+    """The scheduling loop of `cluster` for these options (made on first use; one per distinct set
+    of options, so every run with the defaults shares one loop). `cluster.shutdown()` stops it."""
+    key = (max(1, chunk_tokens), call_timeout_s, transport, lend_cores)
+    with _SERVICES_LOCK:
+        services = cluster.__dict__.setdefault("_run_services", {})
+        if key not in services:
+            services[key] = RunService(RayBackend(cluster), *key)
+        return services[key]
+
+
+_SERVICES_LOCK = threading.Lock()

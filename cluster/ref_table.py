@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aaflow.errors import KVRefFreedError
 from operators import FidelityReport, KVRef
 
 
@@ -41,8 +42,6 @@ class RefTable:
 
     def get(self, ref_id: str) -> KVRef:
         """The ref; KVRefFreedError when it was freed or never lived here."""
-        from aaflow.errors import KVRefFreedError
-
         if ref_id not in self.refs:
             raise KVRefFreedError(f"no KVRef {ref_id} on replica {self.owner}: it was freed or never lived here")
         return self.refs[ref_id]

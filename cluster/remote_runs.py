@@ -14,6 +14,8 @@ import threading
 import time
 import uuid
 
+import ray
+
 from aaflow.runtime.run_handle import RunHandle
 from cluster.scheduler_actor import POLL_WAIT_S
 
@@ -35,8 +37,6 @@ class RemoteRunHandle(RunHandle):
 
     @classmethod
     def start(cls, actor, workflow, strategy: str, on_token, on_agent, options: dict) -> "RemoteRunHandle":
-        import ray
-
         called = time.perf_counter()
         follow = on_token is not None or on_agent is not None  # a client without callbacks waits for the end
         run_id = ray.get(actor.start.remote(client_id(), workflow, strategy, options, follow))
@@ -94,8 +94,6 @@ class _Follower:
             self._hand(handle, *news)
 
     def _follow(self) -> None:
-        import ray
-
         while True:
             try:
                 answers = ray.get(self.actor.poll.remote(client_id(), POLL_WAIT_S))

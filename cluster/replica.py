@@ -10,12 +10,14 @@ from typing import Sequence
 
 import torch
 
-from cluster.calibration import Calibration
+from aaflow.continuation import generate
+from aaflow.engine import Engine
+from cluster.replica_microbench import Calibration
 from cluster.ref_table import RefRecord, RefTable
 from cluster.replica_base import ReplicaBase
 from cluster.sessions import SequenceSessions
 from cluster.transfer_endpoint import TransferEndpoint
-from operators import EvictionPolicy, KVHost
+from operators import EvictionPolicy, KVHost, compose, fork, materialize
 
 __all__ = ["LENDABLE_CALLS", "ModelReplica", "RefRecord"]
 
@@ -31,8 +33,6 @@ class ModelReplica(ReplicaBase):
                  budget_bytes: int | None = None, **engine_kwargs) -> None:
         """Load `model` (a registry name or HF folder); `engine_kwargs` go to `Engine.from_pretrained`
         (kv_cache_bytes, block_size, prefix_caching, ...)."""
-        from aaflow.engine import Engine
-
         super().__init__(name, model)
         self.engine = Engine.from_pretrained(model, dtype=dtype, threads=threads, **engine_kwargs)
         self.host = KVHost(self.engine, name=name, policy=EvictionPolicy(budget_bytes=budget_bytes))
@@ -59,26 +59,18 @@ class ModelReplica(ReplicaBase):
 
     # --- operators, addressed by ref id ---------------------------------------------------
     def materialize(self, text_or_ids: str | Sequence[int], lineage: bool = True) -> RefRecord:
-        from operators import materialize
-
         self.faults.reached("materialize")
         before = self.engine.stats().tokens_computed
         ref = materialize(self.host, text_or_ids, lineage=lineage)
         return self.refs.add(ref, self.engine.stats().tokens_computed - before)
 
     def generate(self, ref_id: str, text_or_ids: str | Sequence[int], max_new_tokens: int = 32, **sampling):
-        from aaflow.continuation import generate
-
         return generate(self.refs.get(ref_id), text_or_ids, max_new_tokens, **sampling)
 
     def fork(self, ref_id: str, n: int) -> list[RefRecord]:
-        from operators import fork
-
         return [self.refs.add(r) for r in fork(self.refs.get(ref_id), n)]
 
     def compose(self, ref_ids: list[str], mode: str = "exact", r: float = 0.15) -> RefRecord:
-        from operators import compose
-
         return self.refs.add(compose(*[self.refs.get(i) for i in ref_ids], mode=mode, r=r))
 
     def pin(self, ref_id: str, ttl_s: float | None = None) -> None:

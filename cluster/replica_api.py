@@ -14,7 +14,9 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from cluster.multi_step import StepStop, run_steps
+from cluster.step_group_runner import StepStop, run_steps
+from cluster.transports.registry import best_transport
+from costmodel.microbench import memcpy_bandwidth
 
 REPLICAS = {"builtin": "cluster.replica:ModelReplica", "vllm": "cluster.vllm_replica:VLLMReplica"}
 """Engine name -> the class hosting it, imported on first use (an uninstalled vLLM costs nothing)."""
@@ -32,8 +34,6 @@ def default_transport(engines) -> str:
     """The transport KV moves over between replicas of these engines when none is named: the best
     available here (`cluster.transports.registry.best_transport`) that every one of them takes.
     `af.transfer`, `af.run` and `af.plan` all default to it."""
-    from cluster.transports.registry import best_transport
-
     allowed = None
     for engine in sorted(set(engines)):
         takes = replica_class(engine).transports
@@ -66,8 +66,6 @@ class Replica(ABC):
 
     def memcpy_bandwidth(self) -> float:
         """In-process copy bandwidth (bytes/s) in this replica: the bound for any transfer into it."""
-        from costmodel.microbench import memcpy_bandwidth
-
         return memcpy_bandwidth()
 
     # --- operators, addressed by ref id ------------------------------------------------------
@@ -133,7 +131,7 @@ class Replica(ABC):
         """One new token per decoding session."""
 
     def session_steps(self, sids: list[str], steps: int, stops: list) -> tuple[list[list[int]], list[float]]:
-        """Up to `steps` decode steps in one call (`cluster.multi_step.run_steps`; `stops`: a
+        """Up to `steps` decode steps in one call (`cluster.step_group_runner.run_steps`; `stops`: a
         `StepStop` per session): each session's new tokens and each step's end in seconds."""
         return run_steps(self.session_step, sids, steps, [StepStop(*s) for s in stops])
 

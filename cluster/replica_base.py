@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import os
 
+import ray
+
+from cluster.replica_microbench import QUICK_DECODE, QUICK_PREFILL
 from cluster.faults import FaultInjection
 from cluster.replica_api import Replica
 
 
 def _node_id() -> str | None:
     """The Ray node this process runs on (None outside Ray): replicas on one node share its cores."""
-    import ray
-
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
@@ -83,14 +84,10 @@ class ReplicaBase(Replica):
     # --- calibration (`aaflow.calibration` fits a hardware profile to these samples) --------------
     def calibrate_prefill(self, points=None, repeats: int = 1) -> list[tuple[int, int, float]]:
         """(new tokens, context tokens, seconds) per point (default `QUICK_PREFILL`)."""
-        from cluster.calibration import QUICK_PREFILL
-
         return self.calibration.calibrate_prefill(QUICK_PREFILL if points is None else points, repeats)
 
     def calibrate_decode(self, points=None, steps: int = 12) -> list[tuple[int, int, float]]:
         """(batch, context tokens, seconds per step) per point (default `QUICK_DECODE`)."""
-        from cluster.calibration import QUICK_DECODE
-
         return self.calibration.calibrate_decode(QUICK_DECODE if points is None else points, steps)
 
     def calibrate_packing(self) -> list[tuple[int, int, int, float]]:

@@ -4,6 +4,8 @@ outcomes here: one error mapping for all of them."""
 
 from __future__ import annotations
 
+import ray
+
 from aaflow.errors import AAFlowError
 from aaflow.runtime.backend import ReplicaLostError
 from cluster.cluster import ClusterError
@@ -13,8 +15,6 @@ def call_result(ref, replica: str, timeout_s: float | None = None):
     """The value of a replica call's ObjectRef. An aaflow error or a `ValueError` about an argument
     raised in the replica comes back as itself, not wrapped in Ray's `RayTaskError`; a replica
     that died raises `ReplicaLostError` naming it; anything else raises as Ray reports it."""
-    import ray
-
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.RayTaskError as err:
@@ -45,8 +45,6 @@ class ReplicaFuture:
 def submit(replica, method: str, *args, **kwargs) -> ReplicaFuture:
     """Start `method` on a replica (a `ReplicaHandle`) without waiting. Raises `ClusterError` when
     Ray is not running (the cluster was shut down)."""
-    import ray
-
     if not ray.is_initialized():
         raise ClusterError(f"replica {replica.name} is gone: Ray is not running (was the cluster shut down?); "
                            "start one with af.init and materialize the context again")

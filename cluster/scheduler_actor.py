@@ -17,6 +17,11 @@ from __future__ import annotations
 import threading
 import time
 
+import ray
+
+from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster
+from cluster.run_start import start_here
+
 ACTOR_NAME = "scheduler"
 LEASE_S = 30.0  # a client not heard from for this long is gone: its runs are cancelled
 POLL_WAIT_S = 5.0  # how long a poll waits for news (well inside LEASE_S)
@@ -48,8 +53,6 @@ class SchedulerActor:
     """The deployment's scheduling loop (run it as a threaded Ray actor)."""
 
     def __init__(self, replicas: list, info: dict, lease_s: float = LEASE_S) -> None:
-        from cluster.cluster import Cluster
-
         self.cluster = Cluster.attach(replicas, info)
         self.lease_s = lease_s
         self.clients: dict[str, _Client] = {}
@@ -64,8 +67,6 @@ class SchedulerActor:
         """Check, plan and hand a run of client `client_id` to the loop; answers its id. `follow`: its
         tokens and finished agents are kept for `poll` (a client without callbacks gets only the
         end: every item costs CPU in this process, which the scheduling loop shares)."""
-        from aaflow.runtime import start_here
-
         with self.lock:
             client = self.clients.setdefault(client_id, _Client())
             client.polled = time.monotonic()
@@ -136,10 +137,6 @@ def _outcome(handle):
 
 def start_scheduler(replicas: list, info: dict, lease_s: float = LEASE_S):
     """Start the deployment's detached scheduler actor (clients' lease `lease_s`) and wait until it serves."""
-    import ray
-
-    from cluster.cluster import DEPLOYMENT_NAMESPACE
-
     actor = ray.remote(SchedulerActor).options(name=ACTOR_NAME, namespace=DEPLOYMENT_NAMESPACE, lifetime="detached",
                                                num_cpus=0, max_concurrency=256).remote(replicas, info, lease_s)
     ray.get(actor.ready.remote())
@@ -148,10 +145,6 @@ def start_scheduler(replicas: list, info: dict, lease_s: float = LEASE_S):
 
 def find_scheduler():
     """The deployment's scheduler actor, or None (a deployment started before there was one)."""
-    import ray
-
-    from cluster.cluster import DEPLOYMENT_NAMESPACE
-
     try:
         return ray.get_actor(ACTOR_NAME, namespace=DEPLOYMENT_NAMESPACE)
     except ValueError:

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from aaflow.errors import AAFlowError, KVImportError, KVTransferError, ModelMismatchError
+from cluster.ref_table import RefRecord
+from cluster.transports import get_transport
 from cluster.transports.base import TransferStillRunningError
-from operators import KVPayload, Lineage
+from operators import FidelityReport, KVPayload, Lineage
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +60,6 @@ class TransferEndpoint:
 
     def _transport(self, name: str):
         if name not in self._transports:
-            from cluster.transports import get_transport
-
             self._transports[name] = get_transport(name)
         return self._transports[name]
 
@@ -224,8 +224,6 @@ def check_descriptor(handle, shape, record) -> None:
     if not (isinstance(shape, KVShape) and isinstance(shape.fingerprint, str) and isinstance(shape.dtype, str)
             and isinstance(shape.shape, tuple) and all(is_int(d) and d >= 0 for d in shape.shape)):
         problems.append(f"shape {shape!r:.120} is not a KVShape of a fingerprint, dims and a dtype name")
-    from cluster.ref_table import RefRecord
-    from operators import FidelityReport
 
     if not (isinstance(record, RefRecord) and isinstance(record.id, str) and isinstance(record.replica, str)
             and isinstance(record.token_ids, tuple) and record.token_ids and all(is_int(t) for t in record.token_ids)

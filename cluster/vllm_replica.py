@@ -5,7 +5,7 @@ process: `materialize` prefills on vLLM and reads the KV back through the aaflow
 `receive` keeps the incoming payload. A payload enters vLLM's cache through the connector when a
 session that continues it (`session_open(sid, fork_of=ref)`) sends its first request. Compose
 (exact, rerotate) and evict work on the payloads (`cluster.payload_refs`); calibration runs
-through sessions' requests (`cluster.vllm_calibration`). Sessions map to vLLM requests
+through sessions' requests (`cluster.vllm_microbench`). Sessions map to vLLM requests
 (`cluster.vllm_sessions`).
 """
 
@@ -16,16 +16,21 @@ from typing import Sequence
 
 import torch
 
+from aaflow.engine.rope import RotaryTable
 from aaflow.engine.sequence import KVExport
+from aaflow.engines_vllm import VLLMEngine
 from aaflow.engines_vllm.errors import VLLMUnsupportedError
 from aaflow.errors import KVComposeError, KVImportError, KVTransferError, ModelMismatchError
 from cluster.payload_refs import PayloadRefs
 from cluster.ref_table import RefRecord
 from cluster.replica_base import ReplicaBase
 from cluster.transfer_endpoint import KVShape, check_descriptor
-from cluster.vllm_calibration import VLLMCalibration
+from cluster.transports import get_transport
+from cluster.vllm_microbench import VLLMCalibration
 from cluster.vllm_sessions import VLLMSessions
+from operators.compose import join_parts
 from operators.fork import check_fork_count
+from operators.ref import FidelityReport
 
 VLLM_OPTIONS = ("prefix_caching", "max_model_len", "kv_cache_gib", "block_size", "enforce_eager", "python",
                 "startup_timeout_s")
@@ -46,8 +51,6 @@ class VLLMReplica(ReplicaBase):
             VLLMUnavailableError: vLLM is missing or failed to start (names the fix).
             TypeError: an option vLLM replicas do not take.
         """
-        from aaflow.engines_vllm import VLLMEngine
-
         unknown = sorted(set(vllm_kwargs) - set(VLLM_OPTIONS))
         if unknown:
             raise TypeError(f"vLLM replicas take {VLLM_OPTIONS}, not {unknown}")
@@ -113,9 +116,6 @@ class VLLMReplica(ReplicaBase):
     def compose(self, ref_ids: list[str], mode: str = "exact", r: float = 0.15) -> RefRecord:
         """`exact` and `rerotate` compose of payloads here (the rules of `operators.compose`). `blend`
         recomputes chosen tokens layer by layer inside the engine, which vLLM does not expose: refused."""
-        from operators.compose import join_parts
-        from operators.ref import FidelityReport
-
         if mode == "blend":
             raise VLLMUnsupportedError(f"compose mode 'blend' is not supported on vLLM replica {self.name}: use "
                                        "'rerotate' here, or blend on a built-in replica and transfer the result")
@@ -123,7 +123,6 @@ class VLLMReplica(ReplicaBase):
             raise KVComposeError(f"unknown compose mode {mode!r}: use 'exact', 'rerotate' or 'blend'")
         parts = [(i, self._ref(i).token_ids, self._ref(i).kv) for i in ref_ids]
         if self._rotary is None:  # the built-in engine's RoPE: the payload format is the same
-            from aaflow.engine.rope import RotaryTable
 
             self._rotary = RotaryTable(self.engine.config, self.engine.dtype)
         tokens, kv, moved = join_parts(parts, mode, self._rotary.shift_kv)
@@ -152,8 +151,6 @@ class VLLMReplica(ReplicaBase):
             raise VLLMUnsupportedError(f"vLLM replica {self.name} moves KV over the 'ray' transport only, "
                                        f"not {name!r}: pass transport='ray'")
         if name not in self._transports:
-            from cluster.transports import get_transport
-
             self._transports[name] = get_transport(name)
         return self._transports[name]
 

@@ -17,7 +17,7 @@ from aaflow.errors import CostModelError
 from configs import CONFIG_DIR
 from costmodel.model_profile import ModelProfile
 from costmodel.units import parse_bandwidth, parse_duration
-from costmodel.yaml_fields import checked_keys, link_fields, numbers
+from costmodel.yaml_fields import checked_keys, numbers
 
 DERIVED_PREFILL_MIN_FIXED_S = 1e-4  # launch overhead of one derived prefill call
 
@@ -114,6 +114,15 @@ class LinkProfile:
     def source_copy_time(self, nbytes: int, memcpy_bytes_per_s: float) -> float:
         """Seconds the source spends copying `nbytes` out of its pool before the link moves them."""
         return 0.0 if self.in_place else nbytes / memcpy_bytes_per_s
+
+
+def link_fields(d: dict, where: str) -> LinkProfile:
+    """A link from YAML: numbers with units, `in_place` a boolean."""
+    d = dict(d)
+    in_place = d.pop("in_place", False)
+    if not isinstance(in_place, bool):
+        raise CostModelError(f"{where}: in_place must be true or false, got {in_place!r}")
+    return LinkProfile(**numbers(d, where), in_place=in_place)
 
 
 @dataclass(frozen=True)

@@ -24,17 +24,6 @@ def checked_keys(d, cls, where: str) -> dict:
     return d
 
 
-def link_fields(d: dict, where: str) -> LinkProfile:
-    """A link from YAML: numbers with units, `in_place` a boolean."""
-    d = dict(d)
-    in_place = d.pop("in_place", False)
-    if not isinstance(in_place, bool):
-        raise CostModelError(f"{where}: in_place must be true or false, got {in_place!r}")
-    from costmodel.hardware import LinkProfile
-
-    return LinkProfile(**numbers(d, where), in_place=in_place)
-
-
 def numbers(d: dict, where: str) -> dict:
     """Numeric values as floats; strings with units are accepted for *_bytes_per_s and *_s keys."""
     out = {}

@@ -8,15 +8,15 @@ freed (any use raises `KVRefFreedError`).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import math
-
 from aaflow.errors import InvalidArgumentError, KVEvictedError, KVRefFreedError
 from operators.ref import FidelityReport, KVRef, Lineage, new_ref_id
 from operators.spec import KVSpec
+from operators.spill import load_spilled, spill_export
 
 _host_names = itertools.count(1)
 
@@ -97,8 +97,6 @@ class KVHost:
 
     def _restore(self, entry: _Entry) -> int:
         if entry.spill_path is not None:
-            from operators.spill import load_spilled
-
             seq_id = self.engine.import_kv(load_spilled(entry.spill_path, self.fingerprint), cacheable=entry.ref.exact)
             entry.spill_path.unlink(missing_ok=True)
             entry.spill_path = None
@@ -123,8 +121,6 @@ class KVHost:
         if entry.seq_id is None:
             return
         if spill if spill is not None else self.policy.spill:
-            from operators.spill import spill_export
-
             if self.spill_dir is None:
                 raise InvalidArgumentError(f"host {self.name} has no spill_dir, so it cannot spill; create it with "
                                            "KVHost(..., spill_dir=...) or evict without spill")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aaflow.errors import InvalidArgumentError, ModelMismatchError
+from operators.fork import fork
 from operators.host import KVHost
 from operators.ref import KVRef, Lineage, check_ref
 
@@ -18,8 +19,6 @@ def transfer(kv: KVRef, destination: KVHost) -> KVRef:
     if not isinstance(destination, KVHost):
         raise InvalidArgumentError(f"transfer needs a destination KVHost, got {type(destination).__name__}")
     if destination is kv.host:
-        from operators.fork import fork
-
         return fork(kv, 1)[0]
     if destination.fingerprint != kv.fingerprint:
         raise ModelMismatchError(

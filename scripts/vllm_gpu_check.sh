@@ -8,7 +8,7 @@
 #
 # Exits non-zero with the reason when it cannot run: 2 = no NVIDIA GPU, 3 = no CUDA vLLM,
 # 1 = a check failed. What runs:
-#   1. tests/test_vllm_backend.py against that vLLM (greedy equivalence with the built-in engine,
+#   1. tests/engine/test_vllm_backend.py against that vLLM (greedy equivalence with the built-in engine,
 #      KV in/out through the aaflow connector, refusals). NOTE: the connector converts only
 #      vLLM's CPU KV layout so far; on CUDA the KV save/load tests are expected to FAIL with
 #      VLLMKVLayoutError ("cannot convert this KV layout") until a CUDA layout is added.
@@ -48,8 +48,8 @@ say "vLLM: $CUDA_INFO"
 [ -x "$AAFLOW_PY" ] || fail 3 "no aaflow Python at $AAFLOW_PY (set AAFLOW_PYTHON)."
 
 status=0
-say "1/2 equivalence tests: tests/test_vllm_backend.py"
-AAFLOW_VLLM_PYTHON="$VLLM_PY" "$AAFLOW_PY" -m pytest tests/test_vllm_backend.py -q -rA || { status=1; say "equivalence tests FAILED (see above)"; }
+say "1/2 equivalence tests: tests/engine/test_vllm_backend.py"
+AAFLOW_VLLM_PYTHON="$VLLM_PY" "$AAFLOW_PY" -m pytest tests/engine/test_vllm_backend.py -q -rA || { status=1; say "equivalence tests FAILED (see above)"; }
 
 say "2/2 benchmark: benchmarks/vllm_engine_bench.py (raw vLLM engine; workflow benchmark with vLLM replicas: NOT AVAILABLE yet, vLLM is not wired into the cluster)"
 mkdir -p "$OUT"

@@ -36,7 +36,7 @@ class LeakWatch:
             return []
         import ray
 
-        from cluster.actors import live_replica_actors
+        from cluster.cluster import live_replica_actors
 
         problems = []
         for actor in live_replica_actors():

@@ -2,9 +2,8 @@
 
 glibc serves blocks above its mmap threshold (128 KiB at first) with fresh mappings and trims freed
 memory at the heap's top past 128 KiB, so a long prefill's multi-megabyte activations page-fault on
-every pass. Here a 4,096-token SmolLM2 prefill ran at 873-900 tok/s with the defaults and at
-1,044-1,266 tok/s with this tuning (processes alternated, bf16, 2 threads, AMD EPYC). vLLM's CPU
-backend preloads tcmalloc for the same reason.
+every pass; keeping that memory makes a long prefill measurably faster (docs/RESULTS-history.md).
+vLLM's CPU backend preloads tcmalloc for the same reason.
 
 `AAFLOW_MALLOC_TUNING=0` leaves the allocator alone.
 """

@@ -1,11 +1,11 @@
 """Causal bf16 prefill attention on AMX tiles (`csrc/amx_attention.cpp`), where the CPU has AMX.
 
 Why: with SmolLM2's 64-dim heads a prefill's attention is bound by the softmax, not the products;
-torch's CPU flash kernel took ~14 ms a layer at 2,500 causal tokens on 2 threads here (57% of the
-prefill). This kernel keeps each block's scores in fp32 on the tiles and in AVX512, runs exp as a
-short polynomial, and skips every block past a row's last visible key; one call covers a chunk over
-any earlier context (no masked triangle, no split into two calls). Probabilities are rounded to
-bf16 before the product with V, as flash rounds them. `AAFLOW_AMX_ATTENTION=0` keeps torch's flash.
+with torch's CPU flash kernel, attention took most of a long prefill's time (docs/RESULTS-history.md).
+This kernel keeps each block's scores in fp32 on the tiles and in AVX512, runs exp as a short
+polynomial, and skips every block past a row's last visible key; one call covers a chunk over any
+earlier context (no masked triangle, no split into two calls). Probabilities are rounded to bf16
+before the product with V, as flash rounds them. `AAFLOW_AMX_ATTENTION=0` keeps torch's flash.
 """
 
 from __future__ import annotations

@@ -61,6 +61,10 @@ class AttentionBatch:
         read_start = run_start(context_slots[0]) if len(context_slots) == 1 else None
         return cls(len(context_slots), 1, write_slots, padded, mask, False, read_start)
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return paged_attention(layer, q, k, v, cache, self)
+
 
 def run_start(slots: torch.Tensor) -> int | None:
     """slots: [ctx] -> the first slot if they are consecutive (a fresh or imported sequence's blocks
@@ -89,6 +93,10 @@ class PackedBatch:
 
     parts: list[AttentionBatch]
     offsets: list[int]  # [len(parts) + 1]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return paged_attention(layer, q, k, v, cache, self)
 
 
 def prefill_parts(chunks: list[tuple[torch.Tensor, torch.Tensor, int]]) -> AttentionBatch | PackedBatch:
@@ -120,9 +128,8 @@ def paged_attention(
     """Attend the new tokens over their contexts. A decode step folds each kv head's query group
     into the query axis instead of `enable_gqa`: the same result (to the last bit in bf16, within
     an ulp in fp32), and the CPU flash kernel then runs one product per kv head, not one one-row
-    product per query head (SmolLM2, one token over 3,072 keys, per layer: bf16 538 against
-    3,146 us on an AMD EPYC's AVX512-BF16, fp32 673 against 801). Longer chunks keep `enable_gqa`:
-    folded, 16 tokens measured 2,428 against 2,241 us."""
+    product per query head, much faster in bf16 and somewhat in fp32. Longer chunks keep
+    `enable_gqa`: there folding did not pay (docs/RESULTS-history.md, "A third CPU kind")."""
     if isinstance(batch, PackedBatch):
         spans = zip(batch.parts, batch.offsets, batch.offsets[1:])
         return torch.cat([paged_attention(layer, q[a:b], k[a:b], v[a:b], cache, part) for part, a, b in spans])

@@ -1,4 +1,4 @@
-"""Which attention path a forward pass takes: the batch object `LlamaModel.forward` dispatches on,
+"""Which attention path a forward pass takes: the `AttentionPass` (attention_pass.py) it attends through,
 chosen from the engine's dtype, the CPU and the sequences' block tables.
 
 Prefill: deterministic mode's fixed tiles; else each chunk over its context, in bf16 as tiles of

@@ -20,27 +20,24 @@ from aaflow.engine.decode_kernel import KernelDecodeBatch, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
 
 # The second attention pass and the merge pay off once the prefix reads they save (shared tokens x
-# (sequences - 1)) reach this; measured on SmolLM2 decode: 545 shared tokens x 2 sequences was 12%
-# slower with cascade, x 8 sequences 18% faster; 4,096 x 16 was 6x faster.
+# (sequences - 1)) reach this; below it, on SmolLM2 decode, cascade was slower than one pass over the
+# whole context, and it wins by more the longer the prefix and the more sequences share it
+# (docs/RESULTS-history.md).
 CASCADE_MIN_SAVED_TOKENS = 1536
 # One sequence whose context starts with a long run of consecutive blocks: attending to the run as
-# views, without a mask, apart from the rest pays off from here on. Measured on SmolLM2 bf16, 30
-# layers of attention: 16 new tokens over 4,096 + 16 scattered, 64 ms against 103 ms gathered; in one
-# run, 118 against 130 ms with a mask; 512 over 2,048: 712 against 917 ms. A decode step over a
-# context in one run needs no mask and reads it in place in one pass (~10% faster than split).
+# views, without a mask, apart from the rest pays off from here on, against gathering the context
+# or masking one call over it (docs/RESULTS-history.md). A decode step over a context in one run
+# needs no mask and reads it in place in one pass, which beats the split.
 SPLIT_MIN_RUN_TOKENS = 512
 # With AMX, a decode step of this many sequences or more that share a prefix runs faster in cascade
 # (the prefix attended once per kv head on AMX tiles for every sequence's query heads; each rest and
 # the merge in the decode kernel) than in the kernel alone, whose AVX512-BF16 dot products read the
-# prefix once per sequence. SmolLM2 bf16, 2 threads, Xeon with AMX, ms a step, kernel / cascade,
-# shared + own tokens: 3 x (2,000 + 100) 25 / 30, 4 x (1,000 + 100) 23 / 25, 8 x (500 + 50) 22 / 23,
-# 8 x (1,000 + 100) 27 / 28, 8 x (1,500 + 100) 31 / 30, 8 x (2,000 + 100) 34 / 32,
-# 12 x (3,000 + 80) 54 / 43, 64 x (2,000 + 100) 143 / 66. On an AMD EPYC's AVX512-BF16 (no AMX:
-# torch's flash for the prefix) the kernel won at 12 (45-71 against 72-90 ms): cascade stays off there.
+# prefix once per sequence; with fewer sequences the kernel is as fast or faster (step times, kernel
+# against cascade: docs/RESULTS-history.md). On an AMD EPYC's AVX512-BF16 (no AMX: torch's flash
+# for the prefix) the kernel won even at 12 sequences: cascade stays off there.
 CASCADE_DECODE_MIN_BATCH = 8
-# ... and once the shared prefix is long: its tokens x the sequences reach this. Same setup:
-# 12 x (500 + 50) 24 / 24, 16 x (500 + 50) 28 / 26, 24 x (400 + 60) 35 / 32, 32 x (256 + 100) 38 / 35,
-# 64 x (48 + 60) 40 / 41, 64 x (128 + 60) 44 / 42, 64 x (256 + 100) 56 / 49.
+# ... and once the shared prefix is long: its tokens x the sequences reach this; below it the kernel
+# was as fast (same comparison).
 CASCADE_DECODE_MIN_SHARED_READS = 8192
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
@@ -57,6 +54,10 @@ class CascadeBatch:
 
     def __post_init__(self) -> None:
         self.prefix_start = run_start(self.prefix_slots)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return cascade_attention(layer, q, k, v, cache, self)
 
 
 

@@ -5,19 +5,17 @@ fp32 (CPUs without native bf16, where the engine runs fp32): torch's paths gathe
 into a copy, then attend it; the kernel's AVX2 loops (`csrc/decode_fp32.h`) read it in place
 (docs/RESULTS.md, "fp32 attention read in place", has the figures).
 
-Why a kernel: torch's products over K/V read in place (`run_attention`) stream at 7-11 GB/s here,
-because oneDNN's small-M bf16 GEMM repacks its operand each call and does not split a long
-reduction across cores; the flash kernel reads each kv head with a stride at 3.6-4.3 GB/s. The
+Why a kernel: torch's products over K/V read in place (`run_attention`) stream far below a plain
+copy, because oneDNN's small-M bf16 GEMM repacks its operand each call and does not split a long
+reduction across cores; the flash kernel reads each kv head with a stride, slower still. The
 kernel splits every context into fixed chunks of keys across the cores and feeds bf16 pairs straight
-into AVX512-BF16 dot products. Measured per layer in one process (SmolLM2 bf16, 2 cores, AMD EPYC
-Zen 4, cold caches), kernel against in-place products: 1 x 4k 150 against 300 us, 8 x 4k 1.2
-against 2.3 ms, 32 x 1k 1.5 against 3.2 ms. One pass per chunk (scores in fp32, softmax, the
+into AVX512-BF16 dot products, and beats the in-place products per layer (docs/RESULTS.md, "decode
+attention in bf16 runs in a compiled kernel"). One pass per chunk (scores in fp32, softmax, the
 probabilities rounded to bf16 for the V sum, as flash rounds them), the chunks merged in order
-through their maxima and sums, replaced two passes with torch's softmax between them: a decode step
-(30 layers, Xeon with AMX, 2 threads) of 64 x 40 keys 38.6 -> 36.4 ms, 32 x 1k 73.5 -> 70.4 ms,
-8 x 4k 65.2 -> 63.3 ms. Chunks sit at fixed key positions, so a sequence's result does not depend
-on the batch it runs in. Given a part over other keys (its output and log-sum-exp: cascade's shared
-prefix), the kernel merges it in the same pass.
+through their maxima and sums, replaced two passes with torch's softmax between them (a shorter
+decode step: docs/RESULTS-history.md). Chunks sit at fixed key positions, so a sequence's result
+does not depend on the batch it runs in. Given a part over other keys (its output and log-sum-exp:
+cascade's shared prefix), the kernel merges it in the same pass.
 
 The kernel is compiled on first use with the machine's compiler (torch's cpp_extension, about 30 s,
 cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions). Without a compiler, or with
@@ -69,6 +67,10 @@ class KernelDecodeBatch:
 
     write_slots: torch.Tensor  # [B]
     reads: KernelReads  # one row per sequence
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return kernel_decode_attention(layer, q, k, v, cache, self)
 
 
 def kernel_attention(

@@ -12,8 +12,8 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 
 def native_bf16() -> bool:
     """Whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX). Without it oneDNN converts bf16 to
-    fp32 around every op: measured on an Ice Lake Xeon (AVX512, no BF16), one thread, SmolLM2-135M:
-    a 4,096-token prefill took 36.4 s in bf16 and 16.8 s in fp32, a decode step 279 vs 113 ms."""
+    fp32 around every op, so bf16 prefill and decode run slower than fp32 there
+    (docs/RESULTS-history.md, "A CPU without native bf16")."""
     return matrix_isa() in ("amx", "avx512bf16")
 
 

@@ -1,12 +1,11 @@
 """The decoder's elementwise steps (RMSNorm, the residual add before it, RoPE, SiLU(gate) * up):
 fused compiled kernels for bf16 (`csrc/fused_elementwise.cpp`), torch ops for other dtypes.
 
-Why: in bf16 torch runs each step as several ops, each a pass over memory with dtype conversions.
-Measured here (SmolLM2, Xeon with AMX, 2 threads), torch ops per layer: 2,500 rows 1.1 ms RMSNorm,
-1.3 ms add + RMSNorm, 1.2 ms RoPE, 1.6 ms SiLU * up (~160 ms of a ~1 s prefill over 30 layers);
-one row ~35 us. The kernels round where torch rounds (see the C++ file); a value may differ from
-torch's by one bf16 ulp where torch's fp32 sum of a row's squares is not the correctly rounded one
-(the kernel's is, on any vector width) or exp is approximated.
+Why: in bf16 torch runs each step as several ops, each a pass over memory with dtype conversions;
+over a long prefill those ops add up to a sizeable share of its time (docs/RESULTS-history.md).
+The kernels round where torch rounds (see the C++ file); a value may differ from torch's by one
+bf16 ulp where torch's fp32 sum of a row's squares is not the correctly rounded one (the kernel's
+is, on any vector width) or exp is approximated.
 `AAFLOW_FUSED_ELEMENTWISE=0` keeps the torch ops."""
 
 from __future__ import annotations

@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
+from transformers import AutoTokenizer
 
 from aaflow.engine.allocator import keep_freed_memory
+from aaflow.engine.blend import blend
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.dtypes import DTYPES, resolve_dtype
 from aaflow.engine.fingerprint import model_fingerprint, weights_digest
+from aaflow.engine.generation import run_generation
 from aaflow.engine.kv_budget import in_process_kv_cache_bytes, parse_bytes
 from aaflow.engine.kv_cache import KVLayout
 from aaflow.engine.model import LlamaModel
@@ -23,8 +26,9 @@ from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engine.weights import load_weights
 from aaflow.errors import ModelNotFoundError
+from aaflow.models import resolve_model_path
 
-DETERMINISTIC_DEFAULT = False  # on, decode runs up to 35% slower at batch 8-32 (`aaflow bench engine`)
+DETERMINISTIC_DEFAULT = False  # on, batched decode runs markedly slower (`aaflow bench engine`, docs/RESULTS.md)
 
 
 class Engine(PromptText):
@@ -72,9 +76,6 @@ class Engine(PromptText):
                 how its prompt was chunked, packed or batched (`fixed_attention.py`); None: the
                 default, `DETERMINISTIC_DEFAULT`.
         """
-        from aaflow.models import resolve_model_path
-        from transformers import AutoTokenizer
-
         dtype = resolve_dtype(dtype)
         keep_freed_memory()
         if threads is not None:
@@ -184,8 +185,6 @@ class Engine(PromptText):
     def blend(self, seq_id: int, candidate_positions: list[int], fraction: float, anchors: list[int] = ()):
         """Recompute `fraction` of the candidate positions in place, `anchors` first, then the most
         deviating ones (a `BlendResult`)."""
-        from aaflow.engine.blend import blend
-
         return blend(self.runner, seq_id, candidate_positions, fraction, anchors)
 
     def clear_prefix_cache(self) -> None:
@@ -215,8 +214,6 @@ class Engine(PromptText):
         With `seq_ids`, each prompt is appended to that existing sequence (continuation).
         With `keep`, sequences are not freed and each output's `seq_id` names its sequence.
         """
-        from aaflow.engine.generation import run_generation
-
         params = params or SamplingParams()
         start = time.perf_counter()
         ids = [self.prompt_ids(p) for p in prompts]

@@ -11,7 +11,7 @@ head padded to a multiple of `QUERY_ROW_MULTIPLE`: the kernel splits rows into b
 other rounding. oneDNN's bf16 matmuls give a row the same bits whatever the number of rows, except
 for a single row (run as two) and, over long reductions (the down projection), some row counts
 (those run on the AMX kernel, or in oneDNN calls of a fixed size: `Linear(x, batch_invariant=True)`),
-so the whole forward pass is then invariant (tests/test_engine_deterministic.py checks it).
+so the whole forward pass is then invariant (tests/engine/test_engine_deterministic.py checks it).
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class FixedBatch:
                 positions = torch.arange(start + a, start + b)[None]  # [1, S]
                 rows = torch.arange(offsets[i] + a, offsets[i] + b)
                 yield _call(rows, [context[: start + b]], positions, num_slots, group, dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return fixed_attention(layer, q, k, v, cache, self)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -41,6 +41,10 @@ class GroupedCascadeBatch:
     groups: list[PrefixGroup]
     rest: AttentionBatch | KernelDecodeBatch
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return grouped_cascade_attention(layer, q, k, v, cache, self)
+
 
 def prefix_groups(block_tables: list[list[int]], block_size: int) -> list[tuple[list[int], int]]:
     """(rows, shared leading blocks) of the groups of sequences whose shared prefixes, each attended

@@ -15,18 +15,17 @@ from aaflow.machine import cpu_vendor, matrix_isa
 ONE_ROW = NativeModule("one_row_linear.cpp", "the bf16 one-row linear kernel", "AAFLOW_ONE_ROW_LINEAR")
 AMX_LINEAR = NativeModule("amx_linear.cpp", "the AMX few-rows linear kernel", "AAFLOW_AMX_LINEAR",
                           extra_cflags=("-mamx-tile", "-mamx-bf16"))
-# Rows up to which the AMX kernel beats oneDNN (121 products of SmolLM2, Xeon with AMX, 2 threads,
-# medians of 3-6 alternated, ms: 1 row 6.9 against the one-row kernel's 9.5; 8 rows 7.4 / 11.8;
-# 32 rows 9.3 / 14.2; 64 rows 12.1 / 16.2; 128 rows 18.9 / 22.7; 160 rows 22.9 / 26.4; 192 rows
-# 27.5 / 28.4; from 224 rows oneDNN wins, 31.6 / 35.5).
+# Rows up to which the AMX kernel beats oneDNN (and, for one row, the one-row kernel): timed over
+# SmolLM2's products by row count, its lead shrinks as rows grow and oneDNN wins from 224 rows
+# (docs/RESULTS-history.md).
 AMX_MAX_ROWS = 160
 # oneDNN's bf16 GEMM splits a long reduction differently for some row counts, and those rows round
 # unlike the same rows in any other call (SmolLM2's down projection, K = 1,536, on 2 threads: 182
 # and 193-256 rows; on 1 thread: 130-160 and from 193 on; its K = 576 products never did): a
 # prompt prefilled in chunks of 256 continued to other logits than one prefilled whole. Products
 # over at least LONG_K inputs stay on the AMX kernel, whose sums run in one fixed order, up to
-# AMX_MAX_ROWS_LONG_K rows; it is faster there too (down projection alone, us, AMX / oneDNN: 256
-# rows 243 / 410, 512 rows 507 / 591; 1,024 rows 1,461 / 1,118).
+# AMX_MAX_ROWS_LONG_K rows; it is faster there too (the down projection alone up to 512 rows,
+# slower at 1,024: docs/RESULTS-history.md).
 LONG_K = 1024
 AMX_MAX_ROWS_LONG_K = 512
 # Deterministic mode without the AMX kernel runs those products on oneDNN in calls of this many rows.
@@ -76,12 +75,12 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:  # [N, K] -> [N / 16, K 
 
 class Linear:
     """y = x @ W.T + b. With `onednn`, on oneDNN with W as it is. With `prepack`, W is reordered
-    once into oneDNN's blocked layout (measured here: ~1.3x faster at decode sizes, ~1.2x at
-    prefill sizes), and one more copy of the weights is kept for a compiled kernel: on a CPU with
-    AMX (and both sizes multiples of 32) W as AMX tiles, and up to AMX_MAX_ROWS rows
+    once into oneDNN's blocked layout (faster at decode and prefill sizes: docs/RESULTS-history.md),
+    and one more copy of the weights is kept for a compiled kernel: on a CPU with AMX (and both
+    sizes multiples of 32) W as AMX tiles, and up to AMX_MAX_ROWS rows
     (AMX_MAX_ROWS_LONG_K over LONG_K inputs or more) go through the AMX kernel; else, where the
-    one-row kernel builds, the plain W, and a single row goes through it (its 121 products 12.6
-    against oneDNN's 14.8 ms: a whole decode step of one sequence 19.3 against 22.6 ms).
+    one-row kernel builds, the plain W, and a single row goes through it (faster than oneDNN for
+    one row, and so a shorter decode step of one sequence).
 
     `batch_invariant=True` (the engine's deterministic mode) gives a row the same bits whatever
     the number of rows in the call: products over LONG_K inputs or more on the AMX kernel at any

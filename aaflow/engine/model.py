@@ -4,30 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from aaflow.engine.attention import AttentionBatch, PackedBatch, paged_attention
-from aaflow.engine.cascade import CascadeBatch, cascade_attention
+from aaflow.engine.attention_pass import AttentionPass
 from aaflow.engine.config import ModelConfig
-from aaflow.engine.decode_kernel import KernelDecodeBatch, kernel_decode_attention
 from aaflow.engine.elementwise import Elementwise
-from aaflow.engine.fixed_attention import FixedBatch, fixed_attention
-from aaflow.engine.grouped_cascade import GroupedCascadeBatch, grouped_cascade_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.linear import Linear
 from aaflow.engine.rope import RotaryTable
-from aaflow.engine.run_attention import (GatheredDecodeBatch, RunsDecodeBatch, gathered_decode_attention,
-                                         runs_decode_attention)
-from aaflow.engine.tiled_attention import TiledPrefillBatch, tiled_attention
 from aaflow.engine.weights import LayerWeights, ModelWeights
-
-
-Batch = (AttentionBatch | PackedBatch | CascadeBatch | FixedBatch | RunsDecodeBatch | GatheredDecodeBatch
-         | KernelDecodeBatch | TiledPrefillBatch | GroupedCascadeBatch)
-
-
-_ATTENTION = {CascadeBatch: cascade_attention, FixedBatch: fixed_attention,
-              RunsDecodeBatch: runs_decode_attention, GatheredDecodeBatch: gathered_decode_attention,
-              KernelDecodeBatch: kernel_decode_attention, TiledPrefillBatch: tiled_attention,
-              GroupedCascadeBatch: grouped_cascade_attention}  # others: paged_attention
 
 
 class LlamaModel:
@@ -51,7 +34,7 @@ class LlamaModel:
 
     def _layer(
         self, index: int, w: LayerWeights, h: torch.Tensor, delta: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache, batch: Batch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache, batch: AttentionPass,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # h, delta: [T, hidden] -> (h, delta) [T, hidden] each
         """One decoder layer over the residual stream h + delta (delta: the previous layer's MLP
         output, not yet added, so the add fuses with this layer's first norm; None at layer 0).
@@ -65,22 +48,21 @@ class LlamaModel:
         qk = ew.rotate(qk, *cos_sin)  # q and k heads rotated together: [T, H + Hkv, D]
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         v = qkv[:, c.q_size + c.kv_size :].reshape(T, c.num_kv_heads, c.head_dim)
-        attend = _ATTENTION.get(type(batch), paged_attention)
-        attn = attend(index, q, k, v, cache, batch)  # [T, H * D]
+        attn = batch.attend(index, q, k, v, cache)  # [T, H * D]
         h, x = ew.add_norm(h, self._linear(w.o, attn), w.post_norm)
         return h, self._linear(w.down, ew.silu_mul(self._linear(w.gate_up, x)))  # gate_up: [T, 2I]
 
     @torch.inference_mode()
     def run_layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-        batch: Batch, num_layers: int,
+        batch: AttentionPass, num_layers: int,
     ) -> torch.Tensor:  # input_ids, positions: [T] -> hidden states after `num_layers` layers [T, hidden]
         """Run the first `num_layers` layers, writing the new tokens' K/V of those layers to the cache."""
         h, delta = self._stream(input_ids, positions, cache, batch, num_layers)
         return h if delta is None else h + delta
 
     def _stream(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: AttentionPass,
         num_layers: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # the residual stream as (h, delta), [T, hidden] each
         h = self.weights.embed[input_ids]  # [T, hidden]
@@ -96,7 +78,7 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         cache: PagedKVCache,
-        batch: Batch,
+        batch: AttentionPass,
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to the vocabulary; None = all
     ) -> torch.Tensor:  # float32 logits [R, vocab]
         h, delta = self._stream(input_ids, positions, cache, batch, self.config.num_layers)

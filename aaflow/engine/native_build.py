@@ -16,6 +16,9 @@ import threading
 from contextlib import nullcontext
 from pathlib import Path
 
+from torch.utils.cpp_extension import _get_build_directory  # private: only for the progress line
+from torch.utils.cpp_extension import load as load_extension
+
 from aaflow.progress import timed
 
 log = logging.getLogger(__name__)
@@ -46,8 +49,6 @@ class NativeModule:
                 return self._module
             self._tried = True
             try:
-                from torch.utils.cpp_extension import load as load_extension
-
                 name = self._build_name()
                 building = not _is_built(name)
                 if building:
@@ -78,8 +79,6 @@ class NativeModule:
 
 def _is_built(name: str) -> bool:
     try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: only for the progress line
-
         return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
     except Exception:
         return False

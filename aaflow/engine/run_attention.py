@@ -9,12 +9,11 @@ the useful FLOPs, which is free where decode is bound by memory, not arithmetic.
 Two ways to feed them:
 - `RunsDecodeBatch`: each sequence reads its long runs in place (one sequence, or many long
   contexts). Why not the flash kernel: it reads each kv head of the pool's token-major rows with a
-  stride, and for a few query rows over long contexts it ran at 3.6-4.3 GB/s here, where these
-  products ran at 8.8 GB/s (SmolLM2, bf16, one token over 4,096 keys, 30 layers; AMD EPYC,
-  AVX512-BF16). Building the query matrix once per batch, not per sequence, made 32 x 1k 1.15x faster.
+  stride, and for a few query rows over long contexts these products stream K and V much faster
+  (docs/RESULTS-history.md). The query matrix is built once per batch, not per sequence.
 - `GatheredDecodeBatch`: many short contexts are gathered into one padded batch for two batched
-  products (bmm), padding masked; against the flash kernel over the same gather, measured in one
-  process: 16 x 1k 1.28x, 32 x 1k 1.25-1.36x, 8 x 2k 1.15x, 4-8 x 1k 0.92-1.18x (noise).
+  products (bmm), padding masked; faster than the flash kernel over the same gather at 16-32 x 1k
+  and 8 x 2k, level with it at 4-8 x 1k (docs/RESULTS-history.md).
 
 The scores are rounded to the model's dtype before an fp32 softmax, as Hugging Face's eager
 attention does; the engine uses these paths for bf16 only, so fp32 results stay those of the flash
@@ -82,13 +81,17 @@ class RunsDecodeBatch:
         """contexts[b]: [len_b] slots of sequence b's context, its new token's included."""
         return cls(write_slots, [ContextPieces.of(c) for c in contexts])
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return runs_decode_attention(layer, q, k, v, cache, self)
+
 
 @dataclass
 class GatheredDecodeBatch:
     """One new token for each of `batch` sequences, whose contexts are gathered into one padded
     batch (the flash path's `AttentionBatch.decode`): where in-place reads do not pay (many short
-    contexts), two batched products over the gathered keys beat the flash kernel, which ran one-row
-    products here (SmolLM2 bf16, 8 x 1k)."""
+    contexts), two batched products over the gathered keys beat the flash kernel, which runs one-row
+    products for them."""
 
     decode: AttentionBatch  # write slots, padded read slots [B, ctx], mask [B, 1, 1, ctx] or None
     padding: torch.Tensor | None  # [B, 1, ctx] bool: True for a padding key; None when all are full
@@ -99,14 +102,17 @@ class GatheredDecodeBatch:
         decode = AttentionBatch.decode(write_slots, contexts)
         return cls(decode, None if decode.mask is None else ~decode.mask[:, 0])
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return gathered_decode_attention(layer, q, k, v, cache, self)
+
 
 def reads_in_place_pays(lengths: list[int], block_tables: list[list[int]], block_size: int) -> bool:
     """Whether a decode step over contexts of these lengths runs faster here than gathered into one
     padded batch (`GatheredDecodeBatch`). Each sequence costs a few calls here, so short contexts
     lose; sequences that share leading blocks go to cascade attention, which reads those once.
-    Measured in one process (SmolLM2 bf16, a step here against gathered): 8 x 2k 0.89x, 16 x 2k
-    0.72x, 32 x 2k 0.88x, 8 x 4k 1.04x, 16 x 4k 1.08x, 32 x 4k 3.74x; earlier, against the flash
-    kernel, 12 x 2.9k sharing 2.8k 0.45x (cascade wins)."""
+    Against gathered, a step here lost over 2k-token contexts and won from 4k, by far at 32 x 4k;
+    over a shared prefix cascade won (docs/RESULTS-history.md)."""
     if len(lengths) == 1:
         return True
     if shared_prefix_blocks(block_tables, block_size):

@@ -30,8 +30,8 @@ class Sequence:
 
 def padded_slots(seqs: list[Sequence], lengths: list[int], block_size: int) -> torch.Tensor:
     """Pool slots of positions [0, lengths[b]) of each sequence in one padded row (slot 0 past a
-    row's length): [B, max(lengths)] int64, built at once (a decode step of 64 sequences spent
-    ~2 ms in one `slots` call per sequence)."""
+    row's length): [B, max(lengths)] int64, built at once (one `slots` call per sequence slowed
+    decode steps of many sequences: docs/RESULTS-history.md)."""
     width = max(lengths)
     blocks = -(-width // block_size)
     table = torch.tensor([s.block_table[:blocks] + [0] * (blocks - len(s.block_table[:blocks])) for s in seqs],

@@ -4,9 +4,9 @@ When a pack of prompts share their first blocks (B agents reading one system pro
 each chunk attends over the whole context alone: the prefix's keys are read and multiplied once per
 member. Here the members' queries go through the flash kernel over the prefix together, in one
 call, and each member's own keys (after the prefix) in one call of its own; the two parts merge by
-their log-sum-exps. With AMX, 7 chunks of 100 tokens over a 2,000-token prefix took 5.1 against
-10.1 ms a layer (SmolLM2 bf16, 2 threads). Used with the flash prefill path only (`prefill_kernel`);
-where the AMX kernel runs (`amx_attention`) both parts go through it.
+their log-sum-exps. With AMX this attends several short chunks over a long prefix in less time than
+one call per member (docs/RESULTS-history.md). Used with the flash prefill path only
+(`prefill_kernel`); where the AMX kernel runs (`amx_attention`) both parts go through it.
 """
 
 from __future__ import annotations

@@ -7,14 +7,9 @@ The new tokens' queries go in tiles of TILE_TOKENS positions. Each tile takes th
 - a bf16 softmax (computed in fp32 inside the kernel) and one product with V give its output.
 Keys past the tile's last position are never read, so causal work is skipped tile by tile.
 
-Why not torch's CPU flash kernel: here it ran a causal prefill of SmolLM2's heads at 65-140 GFLOP/s,
-against 740 for its products. On an AMD EPYC with AVX512-BF16 and 2 threads, per layer:
-
-| prefill | flash | tiles |
-|---|---|---|
-| 512 tokens | 3.8 ms | 1.4 ms |
-| 2,048 tokens | 37 ms | 15 ms |
-| 4,096 tokens | 138 ms | 62 ms |
+Why not torch's CPU flash kernel: it ran a causal prefill of SmolLM2's heads far below the
+FLOP rate of its products; on an AMD EPYC with AVX512-BF16 the tiles took much less time per layer
+at 512-4,096 tokens (docs/RESULTS-history.md).
 
 The precision is that of Hugging Face's eager bf16 attention, not flash's. The scores are rounded
 to bf16 before the softmax, and the probabilities are rounded before the product with V (flash
@@ -25,19 +20,11 @@ prefix into two unmasked flash calls: faster than the masked per-sequence path a
 (docs/RESULTS.md, "fp32 attention read in place").
 
 With AMX (Intel Sapphire Rapids and later) the balance turns: oneDNN runs the flash kernel's
-blocks on the tile unit and tiles lose, per layer on 2 threads (bf16, SmolLM2's heads):
-
-| prefill | flash | tiles |
-|---|---|---|
-| 1,024 new tokens | 3.2 ms | 9.4 ms |
-| 2,500 new tokens | 15.3 ms | 31.7 ms |
-| 70 new tokens over 2,500 | 1.2 ms | 1.7 ms |
-| 512 new tokens over 2,500 | 7.7 ms | 10.9 ms |
-
-so there bf16 prefill goes through the flash path (`prefill_kernel`; `AAFLOW_PREFILL_ATTENTION`
-= `flash` or `tiles` overrides the choice), which runs the AMX kernel of `amx_attention` for 64-dim
-heads: 2,500 causal tokens 6.7 against torch flash's 11.9 ms a layer, a 2,500-token prefill 0.53
-against 0.69 s (same process, alternated).
+blocks on the tile unit and tiles lose, fresh prompts and chunks over a cached context alike
+(docs/RESULTS-history.md), so there bf16 prefill goes through the flash path (`prefill_kernel`;
+`AAFLOW_PREFILL_ATTENTION` = `flash` or `tiles` overrides the choice), which runs the AMX kernel of
+`amx_attention` for 64-dim heads, faster again than torch's flash per layer and over a whole
+prefill.
 """
 
 from __future__ import annotations
@@ -112,7 +99,7 @@ def flash_prefill_attention(
     flash kernel (fp32 scores inside). There a mask makes the
     kernel compute the masked triangle too, so where the new tokens are at least as many as the
     keys before them, the two parts go apart: the earlier keys unmasked, the new ones causal, merged
-    by their log-sum-exps (16 + 2,094 tokens: 13 against 24 ms a layer)."""
+    by their log-sum-exps (docs/RESULTS-history.md)."""
     T = q.shape[0]
     kernel = amx_kernel(q)
     if kernel is not None:  # one call whatever `start`: blocks past the diagonal are skipped
@@ -183,6 +170,10 @@ class TiledPrefillBatch:
         if row_tokens:
             batch.row_tokens, batch.rows = torch.tensor(row_tokens), KernelReads.of(row_contexts)
         return batch
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               cache: PagedKVCache) -> torch.Tensor:
+        return tiled_attention(layer, q, k, v, cache, self)
 
 
 def tiled_attention(

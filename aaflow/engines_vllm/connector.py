@@ -19,15 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.logger import init_logger
 
 from aaflow.engines_vllm.errors import VLLMKVLayoutError
 from aaflow.engines_vllm.kvfile import dtype_name, read_kv_file, read_kv_header, write_kv_file
+from aaflow.engines_vllm.layout import CPUBlockLayout
 
 logger = init_logger(__name__)
 CONNECTOR_NAME = "AAFlowConnector"
@@ -187,8 +184,6 @@ class AAFlowConnector(KVConnectorBase_V1):
         if self._unsupported:
             raise VLLMKVLayoutError(f"AAFlowConnector cannot convert this KV layout: {self._unsupported}")
         if self._layout is None:
-            from aaflow.engines_vllm.layout import CPUBlockLayout
-
             layer = self._vllm_config.compilation_config.static_forward_context[self._layer_names[0]]
             isa = getattr(layer, "isa", None)
             if isa is None:

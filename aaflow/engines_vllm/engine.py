@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 import torch
+from transformers import AutoTokenizer
 
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.dtypes import DTYPES
@@ -26,6 +27,7 @@ from aaflow.engines_vllm.errors import VLLMUnavailableError
 from aaflow.engines_vllm.kvfile import read_kv_file, write_kv_file
 from aaflow.engines_vllm.process import ServerProcess
 from aaflow.errors import KVImportError, ModelNotFoundError
+from aaflow.models import resolve_model_path
 
 
 class VLLMEngine(PromptText):
@@ -61,10 +63,6 @@ class VLLMEngine(PromptText):
         Raises:
             VLLMUnavailableError: vLLM is missing or failed to start (the message names the fix).
         """
-        from transformers import AutoTokenizer
-
-        from aaflow.models import resolve_model_path
-
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         folder = resolve_model_path(name_or_folder)

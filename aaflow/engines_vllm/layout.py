@@ -42,7 +42,7 @@ class CPUBlockLayout:
     @classmethod
     def learn(cls, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, isa: str) -> "CPUBlockLayout":
         """Learn the placement from vLLM's kernel (see the module docstring)."""
-        from vllm import _custom_ops as ops
+        from vllm import _custom_ops as ops  # optional: vLLM, present where this layout is used
 
         N, H, C = block_size, num_kv_heads, head_dim
         limit = _EXACT_INT_LIMIT.get(dtype)

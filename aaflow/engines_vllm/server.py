@@ -17,15 +17,17 @@ import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import torch
+
 
 def start_llm(cfg: dict):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gib"]))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler + worker here: the registry below is seen
-    from vllm import LLM
+    from vllm import LLM  # optional: vLLM (this process runs in its venv)
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from aaflow.engines_vllm.connector import CONNECTOR_NAME
+    from aaflow.engines_vllm.connector import CONNECTOR_NAME  # optional: imports vLLM
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "aaflow.engines_vllm.connector", "AAFlowConnector")
@@ -55,7 +57,7 @@ class Driver:
         self.reqs: dict[str, dict] = {}
 
     def add(self, rid: str, r: dict) -> None:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional: vLLM (this process runs in its venv)
         from vllm.inputs import TokensPrompt
 
         if rid in self.reqs:
@@ -154,8 +156,7 @@ class Driver:
 
 
 def info(llm, cfg: dict) -> dict:
-    import torch
-    import vllm
+    import vllm  # optional: vLLM (this process runs in its venv)
 
     vc = llm.llm_engine.vllm_config
     return {"vllm_version": vllm.__version__, "torch_version": torch.__version__,

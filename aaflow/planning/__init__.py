@@ -9,23 +9,31 @@ profile by name for a projection (`hardware="a100-80gb"`), always labelled as su
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from array import array
 from pathlib import Path
 from typing import Callable
 
-from aaflow.errors import AAFlowError
+from aaflow.calibration import ensure_profile
+from aaflow.engine.dtypes import resolve_dtype
+from aaflow.errors import AAFlowError, CostModelError
+from aaflow.models import resolve_model_path
+from aaflow.planning.search import plan_workflow
+from aaflow.runtime import check_sizes, prompt_builders
 from aaflow.runtime.prefix_costs import PrefixCosts
+from aaflow.runtime.prompts import AgentInput, static_prefix
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS
-from costmodel.hardware import HardwareProfile, load_hardware
+from cluster.replica_api import default_transport
+from cluster.transports.emulated import parse_link_spec
+from costmodel.hardware import HardwareProfile, LinkProfile, load_hardware
 from costmodel.model_profile import ModelProfile
+from costmodel.profile_store import covers, find_profile, model_key
 from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
 
 def workflow_spec(workflow, builders: dict) -> WorkflowSpec:
     """Token counts of every agent's prompt segments, as the executor will feed them."""
-    from aaflow.runtime.prompts import AgentInput, static_prefix
-
     tasks = []
     for node in workflow.agents():
         segments = builders[node.model].segments(workflow, node)
@@ -41,21 +49,13 @@ def replica_infos(cluster, dtype: str = "auto") -> dict[str, dict]:
     `Cluster`, or, for a plan made without starting one, from `{model: replicas}` and what
     `af.init(dtype=dtype)` would use (`dtype` resolved on this CPU, the CPUs shared equally).
     Raises `CostModelError` when a live cluster's replicas run another dtype than a named one."""
-    import os
-
-    from aaflow.engine.dtypes import resolve_dtype
-
     if isinstance(cluster, dict):
-        from aaflow.models import resolve_model_path
-
         threads = max(1, (os.cpu_count() or 1) // sum(cluster.values()))
         return {m: {"model": m, "model_path": str(resolve_model_path(m, quiet=True)), "dtype": resolve_dtype(dtype),
                     "threads": threads} for m in cluster}
     infos = {m: cluster.info[cluster.replicas(m)[0].name] for m in cluster.models}  # read when the replicas started
     running = {i["dtype"] for i in infos.values()}
     if dtype != "auto" and running != {resolve_dtype(dtype)}:
-        from aaflow.errors import CostModelError
-
         raise CostModelError(f"the cluster's replicas run {', '.join(sorted(running))}, not {dtype}: plan with "
                              "dtype='auto' (the replicas' own), or start the cluster with af.init(dtype=...)")
     return infos
@@ -70,8 +70,6 @@ def replica_names(cluster) -> tuple[tuple[str, str], ...]:
 
 def model_profiles(infos: dict[str, dict]) -> dict[str, ModelProfile]:
     """Each served model's shape, named by its compute-entry key (model, dtype, threads)."""
-    from aaflow.calibration import model_key
-
     return {m: ModelProfile.from_folder(model_key(i), Path(i["model_path"]), dtype=i["dtype"])
             for m, i in infos.items()}
 
@@ -80,8 +78,6 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
                      progress: Callable[[str], None] | None) -> HardwareProfile:
     """A profile object: given, loaded by name or path, or this machine's (calibrated on first use,
     which needs a live cluster)."""
-    from aaflow.calibration import covers, ensure_profile, find_profile
-
     if isinstance(hardware, HardwareProfile):
         return hardware
     if hardware is not None:
@@ -90,8 +86,6 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
         return ensure_profile(cluster, progress=progress, infos=infos)
     found = find_profile()
     if not covers(found, infos):
-        from aaflow.errors import CostModelError
-
         raise CostModelError("this machine has no calibrated profile for these models; run `aaflow calibrate` "
                              "(or pass a live cluster, which calibrates on first use, or --hardware NAME)")
     return found
@@ -100,8 +94,6 @@ def resolve_hardware(cluster, infos: dict[str, dict], hardware: str | HardwarePr
 def machine_prefix_costs(cluster) -> PrefixCosts | None:
     """This machine's calibrated costs of moving and computing prefixes on `cluster`'s replicas
     (`PrefixCosts`), or None while it has no profile covering them (nothing is calibrated here)."""
-    from aaflow.calibration import covers, find_profile
-
     infos = replica_infos(cluster)
     profile = find_profile()
     if not covers(profile, infos):
@@ -116,8 +108,6 @@ def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
     latencies are summed (the fetch itself, a small part of the real time, is counted twice)."""
     if "@" not in link or link in profile.links:
         return profile
-    from cluster.transports.emulated import parse_link_spec
-    from costmodel.hardware import LinkProfile
 
     base, bandwidth, latency = parse_link_spec(link)
     real = profile.links.get(base, LinkProfile(float("inf"), 0.0))
@@ -128,8 +118,6 @@ def with_emulated_link(profile: HardwareProfile, link: str) -> HardwareProfile:
 def default_link(profile: HardwareProfile, cluster) -> str:
     """The link a plan assumes when none is named: the transport a run on `cluster` defaults to
     (`cluster.replica_api.default_transport`) where the profile has it, else its "ray", else its first."""
-    from cluster.replica_api import default_transport
-
     engines = {"builtin"} if isinstance(cluster, dict) else {r.engine for r in cluster.replicas()}
     try:
         transport = default_transport(engines)
@@ -157,11 +145,9 @@ def plan(workflow, cluster, hardware: str | HardwareProfile | None = None, link:
             `af.init` picks on this CPU); a live cluster's replicas report their own.
     Returns a `aaflow.planning.plans.Plan`; `print(plan.explain())` shows why each choice was made.
     """
-    from aaflow.runtime import _check_sizes, prompt_builders
-
     workflow.validate(served_models={m for _, m in replica_names(cluster)})
     builders, _, limits = prompt_builders({a.model for a in workflow.agents()})
-    _check_sizes(workflow, builders, limits)
+    check_sizes(workflow, builders, limits)
     return plan_checked(workflow, cluster, builders, hardware, link, chunk_tokens, transport, progress, dtype)
 
 
@@ -170,8 +156,6 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
                  progress: Callable[[str], None] | None = print, dtype: str = "auto"):
     """`plan` for a workflow already validated against `cluster`, with its prompt builders
     (`af.run` has both when it plans for `strategy="auto"`)."""
-    from aaflow.planning.search import plan_workflow
-
     infos = replica_infos(cluster, dtype)
     profile = resolve_hardware(cluster, infos, hardware, progress)
     link = link or transport or default_link(profile, cluster)
@@ -193,8 +177,8 @@ def plan_checked(workflow, cluster, builders: dict, hardware: str | HardwareProf
 
 
 # Plans already searched in this process, by their inputs: a workflow run again (the same prompts'
-# token counts, the same cluster and profile) is not planned again (the planner is deterministic;
-# a search took 0.03-0.4 s on the bench's workflows, 5% of an 8-pair A->B run).
+# token counts, the same cluster and profile) is not planned again (the planner is deterministic,
+# and a search is a visible share of a short run: docs/RESULTS-history.md).
 PLAN_MEMO_SIZE = 16
 _PLANS: dict[str, object] = {}
 _PLANS_LOCK = threading.Lock()

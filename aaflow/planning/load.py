@@ -11,6 +11,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from aaflow.errors import WorkflowError
+from aaflow.planning import (default_link, model_profiles, plan_checked, replica_infos, replica_names, resolve_hardware,
+                             with_emulated_link)
+from aaflow.runtime import check_sizes, prompt_builders
+from aaflow.runtime.agent_state import namespaced
+from aaflow.runtime.executor import workflow_agents
+from aaflow.runtime.scheduler import Scheduler
+from aaflow.runtime.sim_backend import SimBackend
 
 
 @dataclass
@@ -43,14 +50,6 @@ def plan_load(workflows: list, cluster, arrivals_s: list[float] | None = None, s
     """Predict `workflows` (workflow i arriving `arrivals_s[i]` seconds after the first; all at once
     by default) on `cluster` (a live `Cluster` or `{model: replicas}`), every agent under `strategy`
     ("auto": each workflow's plan from `af.plan`). `hardware`, `link`, `dtype` as `af.plan` takes them."""
-    from aaflow.planning import (default_link, model_profiles, replica_infos, replica_names, resolve_hardware,
-                                 with_emulated_link)
-    from aaflow.runtime import _check_sizes, prompt_builders
-    from aaflow.runtime.agent_state import namespaced
-    from aaflow.runtime.executor import workflow_agents
-    from aaflow.runtime.scheduler import Scheduler
-    from aaflow.runtime.sim_backend import SimBackend
-
     if not workflows:
         raise WorkflowError("plan_load needs at least one workflow")
     arrivals = [0.0] * len(workflows) if arrivals_s is None else [float(a) for a in arrivals_s]
@@ -60,7 +59,7 @@ def plan_load(workflows: list, cluster, arrivals_s: list[float] | None = None, s
     builders, eos, limits = prompt_builders(models)
     for wf in workflows:
         wf.validate(served_models={m for _, m in replica_names(cluster)})
-        _check_sizes(wf, builders, limits)
+        check_sizes(wf, builders, limits)
     infos = replica_infos(cluster, dtype)
     profile = resolve_hardware(cluster, infos, hardware, progress)
     link = link or default_link(profile, cluster)
@@ -97,6 +96,5 @@ def _decisions(workflow, cluster, builders, strategy: str, hardware, link, chunk
     """Under "auto", the workflow's plan decisions (memoized by `plan_checked`); else None."""
     if strategy != "auto":
         return None
-    from aaflow.planning import plan_checked
 
     return plan_checked(workflow, cluster, builders, hardware, link, chunk_tokens, progress=None, dtype=dtype).decisions

@@ -9,7 +9,7 @@ MAKESPAN_TIE of each other count as equal (the model is not that exact, and of t
 the one that computes less leaves the machine's other cores free and suffers less when replicas
 contend for them). A plan replaces text for everyone only when it is predicted at least
 MIN_GAIN_OVER_TEXT faster: smaller gains are within the simulator's error, and measured they were
-as often losses (one replica, 2026-12-03: predicted 0.6-4.5% faster, measured up to 60% slower).
+as often losses as gains (docs/RESULTS-history.md).
 """
 
 from __future__ import annotations

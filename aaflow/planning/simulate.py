@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from aaflow.engine.sampling import SamplingParams
 from aaflow.errors import CostModelError
-from aaflow.runtime.agent_state import AgentState, PrefixIds
+from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.prefix_key import PrefixIds
 from aaflow.runtime.prompts import AgentInput
 from aaflow.runtime.scheduler import Scheduler
 from aaflow.runtime.sim_backend import SimBackend

@@ -14,7 +14,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
+from aaflow.calibration import ensure_profile
 from aaflow.errors import CostModelError
+from aaflow.planning import plan, replica_infos
+from cluster.cluster import init
+from costmodel.profile_store import covers, find_profile
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,6 @@ def choose_split(workflow, dtype: str = "auto", hardware=None,
     return the fastest predicted. Raises `CostModelError` naming the fix when the profile lacks an
     entry for a split's thread count (`aaflow calibrate --replicas N` measures it; `aaflow run
     --replicas auto` does it by itself)."""
-    from aaflow.planning import plan
-
     models = sorted({a.model for a in workflow.agents()})
     predicted, plans = {}, {}
     for n in candidate_splits(len(models)):
@@ -64,10 +66,6 @@ def choose_split(workflow, dtype: str = "auto", hardware=None,
 def calibrate_splits(workflow, dtype: str = "auto", progress: Callable[[str], None] | None = print) -> None:
     """Measure the splits this machine's profile lacks: start each such split's replicas, calibrate
     (quick, saved to the profile cache, as `af.run` does on first use) and stop them."""
-    import aaflow as af
-    from aaflow.calibration import covers, ensure_profile, find_profile
-    from aaflow.planning import replica_infos
-
     models = sorted({a.model for a in workflow.agents()})
     for n in candidate_splits(len(models)):
         split = {m: n for m in models}
@@ -75,7 +73,7 @@ def calibrate_splits(workflow, dtype: str = "auto", progress: Callable[[str], No
             continue
         if progress is not None:
             progress(f"calibrating {n} replica(s) per model (once per machine) ...")
-        cluster = af.init(replicas=split, dtype=dtype)
+        cluster = init(replicas=split, dtype=dtype)
         try:
             ensure_profile(cluster, progress=progress)
         finally:

@@ -12,7 +12,7 @@ Agents on one replica whose prompts start with the same static prefix (chat head
 contexts) hold its full blocks once, through the prefix cache or a fork: those blocks are reserved
 once per replica while any of them is admitted, not once per agent (counted per agent, a pool
 with room for one 2,000-token prefix and eight agents' own blocks admitted one of the eight;
-`tests/test_admission_shared_prefix.py`). Agents that turn KV reuse off (`text-nocache`)
+`tests/core/test_admission_shared_prefix.py`). Agents that turn KV reuse off (`text-nocache`)
 and replicas without a prefix cache count every agent's prefix. The rest is conservative (an
 upstream agent's output and the block a fork copies count in full for each).
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from aaflow.runtime.agent_state import AgentPhase
 from aaflow.runtime.prompts import AgentInput, static_prefix
 from aaflow.strategies import TEXT_NOCACHE
 
@@ -98,7 +99,7 @@ class Admission:
             return True
         if agent not in queue:
             queue.append(agent)
-            agent.state = "admitting"
+            agent.state = AgentPhase.ADMITTING
         return False
 
     def release(self, agent: AgentState) -> list[AgentState]:

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from aaflow.runtime.kvops import KVDirective
 from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
+from aaflow.runtime.prefix_key import PrefixIds, PrefixKey
 from aaflow.runtime.results import AgentResult
 from aaflow.strategies import STREAMS, shares_prefix
 
 
-class PrefixIds(tuple):
-    """A static prefix's token ids that hash once: prefix keys are looked up for every agent and
-    prefix call, and hashing thousands of ids each time dominated planning. Equal, and hashing
-    equal, to the plain tuple of the same ids."""
+class AgentPhase(enum.StrEnum):
+    """Where an agent is in its run: NEW (waiting for its inputs or for KV) -> ADMITTING (its KV is
+    being reserved, its prefix may still be on its way) -> OPENING (its session is being opened on
+    its replica) -> OPEN (its prompt is being fed) -> DECODING -> DONE (finished, or dropped with its
+    run). A restart (its replica died, or it was preempted) sends it back to NEW."""
 
-    def __hash__(self) -> int:
-        try:
-            return self._hash
-        except AttributeError:
-            self._hash = tuple.__hash__(self)
-            return self._hash
+    NEW = "new"
+    ADMITTING = "admitting"
+    OPENING = "opening"
+    OPEN = "open"
+    DECODING = "decoding"
+    DONE = "done"
 
 
 @dataclass(eq=False)
@@ -46,7 +49,7 @@ class AgentState:
     result: AgentResult = None
     replica: str | None = None
     sid: str = ""
-    state: str = "new"  # new -> opening -> open -> decoding -> done
+    state: AgentPhase = AgentPhase.NEW
     fed: int = 0  # prompt tokens sent to the replica
     seg: int = 0  # next segment to feed, and the offset inside it
     offset: int = 0
@@ -57,10 +60,10 @@ class AgentState:
     start_s: float = 0.0  # when it was placed
     end_s: float = 0.0  # its last token
     prefix_via: str = ""  # how its prefix arrived: "reuse", "transfer" or "recompute"
-    dropped: bool = False  # its run failed or was cancelled: "done" without its output
+    dropped: bool = False  # its run failed or was cancelled: DONE without its output
     upstream: tuple[str, ...] = field(init=False)  # the agents it reads, in prompt order
     streams: bool = field(init=False)  # prefills upstream tokens while the upstream still decodes
-    _prefix_key: tuple | None = field(default=None, init=False, repr=False)
+    _prefix_key: PrefixKey | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.result is None:
@@ -69,16 +72,15 @@ class AgentState:
         self.streams = self.strategy in STREAMS
 
     @property
-    def prefix_key(self) -> tuple:
-        """(model, static prefix ids, how it is composed): the KV of a prefix is shared only between
-        replicas of one model, and composed KV only with agents that ask for the same compose.
-        Made once: the static prefix, `kv` and `prefix_parts` do not change during a run."""
+    def prefix_key(self) -> PrefixKey:
+        """The shared prefix it reads: its model, static prefix ids and how it is composed. Made once:
+        the static prefix, `kv` and `prefix_parts` do not change during a run."""
         if self._prefix_key is None:
             compose = (*self.kv.compose, self.prefix_parts) if self.kv.compose else None
             prefix = static_prefix(self.segments)
             if isinstance(prefix, tuple) and not isinstance(prefix, PrefixIds):
                 prefix = PrefixIds(prefix)
-            self._prefix_key = (self.model, prefix, compose)
+            self._prefix_key = PrefixKey(self.model, prefix, compose)
         return self._prefix_key
 
     @property
@@ -89,7 +91,7 @@ class AgentState:
     def restart(self) -> None:
         """Forget its progress: it starts over from its prompt tokens (its lineage)."""
         self.result.restarts += 1
-        self.state, self.fed, self.seg, self.offset, self.busy = "new", 0, 0, 0, False
+        self.state, self.fed, self.seg, self.offset, self.busy = AgentPhase.NEW, 0, 0, 0, False
         self.output, self.result.decoded, self.result.first_token_s = [], 0, None
         for counter in ("prefill_computed", "prefill_reused", "streamed_tokens", "prompt_tokens"):
             setattr(self.result, counter, 0)

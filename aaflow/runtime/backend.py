@@ -7,6 +7,7 @@ hardware profile on a simulated clock. The scheduler never sees which one it dri
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -90,8 +91,6 @@ class Backend(ABC):
     def pause(self, seconds: float) -> None:
         """Let `seconds` pass (the scheduler backs off before retrying a preempted agent while
         nothing of its run is in flight)."""
-        import time
-
         time.sleep(seconds)
 
     def revived(self, replica: str, timeout_s: float) -> bool | None:

@@ -4,10 +4,9 @@ one run of bookkeeping calls).
 A replica with decoding sessions alternates batched decode steps with its queued calls; the
 bookkeeping calls at the head of its queue (opens, closes, frees: a millisecond each) go between
 two steps without taking a turn, since a burst of them, as when many agents end at once, would
-otherwise hold back the prompt segments queued behind them one step each (64 A->B pairs on one
-replica: 14.5 -> 12.8 s, medians of 4); and the whole run of them at the head goes at once (the
-replica runs its calls in the order they were sent), so that their round trips overlap: 64
-sessions opened in ~20 instead of ~57 ms. Queued prompt segments of several agents go as one packed
+otherwise hold back the prompt segments queued behind them one step each; and the whole run of them
+at the head goes at once (the replica runs its calls in the order they were sent), so that their
+round trips overlap. Queued prompt segments of several agents go as one packed
 call (`packing`), and with the decode step in one forward pass when the replica also decodes (a
 mixed step); a mixed step refused for KV is followed by a step of its decoding agents alone. With
 nothing queued, a replica may run several decode steps in one call (`step_groups`). A long
@@ -21,7 +20,7 @@ from collections import deque
 from typing import Callable
 
 from aaflow.errors import KVRefFreedError
-from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.backend import ReplicaLostError, Ticket
 from aaflow.runtime.calls import Call, CallKind, MixedCall, PrefillCall, StepCall, StepsCall
 from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
@@ -163,7 +162,7 @@ class CallQueues:
         waiting = self.waiting_for_prefix()
         return {name for name in self.replicas
                 if name not in self.running and name not in self.state.dead and not self.queues[name]
-                and all(a.state == "done" or id(a) in waiting for a in self.state.placed[name])}
+                and all(a.state == AgentPhase.DONE or id(a) in waiting for a in self.state.placed[name])}
 
     def _on_mixed(self, decoding: list, sids: list[str], answer_prefills, out: tuple[list[int], list[dict]]) -> None:
         self._stepped(decoding, sids, [[t] for t in out[0]], [0.0])

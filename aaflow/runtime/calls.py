@@ -22,7 +22,7 @@ class CallKind(Enum):
     PREFILL = "session_prefill"  # PrefillCall
     PACK = "session_prefill_many"  # PackCall
     STEP = "session_step"  # StepCall
-    STEPS = "session_steps"  # StepsCall (cluster.multi_step)
+    STEPS = "session_steps"  # StepsCall (cluster.step_group_runner)
     MIXED = "session_step_mixed"  # MixedCall
     EXPOSE = "expose"  # ExposeCall
     RECEIVE = "receive"  # ReceiveCall

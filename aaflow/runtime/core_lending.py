@@ -5,10 +5,9 @@ scheduler sends a long prefill to a replica while every other built-in replica o
 nothing to do and nothing coming (no call in flight or queued, and every unfinished agent placed
 there waits for a shared prefix still being made), the call runs on their threads too
 (`ModelReplica.with_threads`). An agent about to send its own prompt rules its replica out: lending
-its threads then would oversubscribe the node for the whole call (`text`, 16 agents: 9% slower
-when a momentary gap between two calls counted as idle). Prefill is compute-bound: a 4,096-token SmolLM2 prefill measured
-1.8x faster on two threads than on one here, while a decode step, bound by weight reads, gains
-nothing.
+its threads then would oversubscribe the node for the whole call (counting a momentary gap between
+two calls as idle made runs slower). Prefill is compute-bound and speeds up with more threads, while
+a decode step, bound by weight reads, gains nothing.
 In float32 the results are bitwise those of one thread; in bfloat16 the last bits may differ, as
 they do between chunkings.
 """

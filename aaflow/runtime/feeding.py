@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from aaflow.runtime.agent_state import AgentPhase
 from aaflow.runtime.prompts import AgentInput, reorder_by_completion
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ def feedable(agents: dict[str, AgentState], agent: AgentState) -> tuple[list[tup
     count = streamed = 0
     if agent.unordered and agent.offset == 0:
         finished = sorted((a.result.last_token_s, n) for n, a in agents.items()
-                          if a.state == "done" and not a.dropped)
+                          if a.state == AgentPhase.DONE and not a.dropped)
         agent.segments = reorder_by_completion(agent.segments, agent.seg, [n for _, n in finished])
     for i in range(agent.seg, len(agent.segments)):
         seg = agent.segments[i]
@@ -29,12 +30,12 @@ def feedable(agents: dict[str, AgentState], agent: AgentState) -> tuple[list[tup
             count += len(seg) - start
             continue
         producer = agents[seg.agent]
-        if agent.unordered and producer.state != "done" and start == 0 and any(
+        if agent.unordered and producer.state != AgentPhase.DONE and start == 0 and any(
                 isinstance(s, AgentInput) for s in agent.segments[i + 1:]):
             return pieces, count, False, streamed  # another input may finish first and take this slot
         pieces.append((producer.output, start))
         count += len(producer.output) - start
-        if producer.state != "done":
+        if producer.state != AgentPhase.DONE:
             streamed += len(producer.output) - start
             return pieces, count, False, streamed
     return pieces, count, True, streamed
@@ -50,5 +51,5 @@ def consume(agents: dict[str, AgentState], agent: AgentState, count: int) -> Non
         take = min(count, length - agent.offset)
         agent.offset += take
         count -= take
-        if agent.offset == length and (known or agents[seg.agent].state == "done"):
+        if agent.offset == length and (known or agents[seg.agent].state == AgentPhase.DONE):
             agent.seg, agent.offset = agent.seg + 1, 0

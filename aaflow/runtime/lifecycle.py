@@ -12,7 +12,7 @@ from bisect import insort
 from typing import Callable
 
 from aaflow.runtime.admission import Admission
-from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CloseCall, OpenCall, PrefillCall
 from aaflow.runtime.feeding import consume, feedable
@@ -56,13 +56,13 @@ class AgentLifecycle:
             self.revived(rname)
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}", [agent.name])
-        best = self.placement.choose(agent, alive, self.load, self.prefixes.refs.get(agent.prefix_key, {}),
+        best = self.placement.choose(agent, alive, self.state.load, self.prefixes.refs.get(agent.prefix_key, {}),
                                      self.admission.fits)
-        if agent.replica is not None and agent in self.placed[agent.replica]:
-            self.placed[agent.replica].remove(agent)
-            self.load[agent.replica] -= 1
-        self.placed[best].append(agent)
-        self.load[best] += 1
+        if agent.replica is not None and agent in self.state.placed[agent.replica]:
+            self.state.placed[agent.replica].remove(agent)
+            self.state.load[agent.replica] -= 1
+        self.state.placed[best].append(agent)
+        self.state.load[best] += 1
         agent.order, self.placements = self.placements, self.placements + 1
         agent.replica, agent.result.replica = best, best
         agent.sid = f"{self.run_id}/{agent.name}#{agent.result.restarts}"
@@ -74,8 +74,8 @@ class AgentLifecycle:
         elsewhere when it died."""
         self.state.note(f"replica {rname} is back; placing agents on it again")
         self.state.dead.discard(rname)
-        self.placed[rname] = [a for a in self.placed[rname] if a.state == "done"]
-        self.load[rname], self.decoding[rname] = 0, []
+        self.state.placed[rname] = [a for a in self.state.placed[rname] if a.state == AgentPhase.DONE]
+        self.state.load[rname], self.state.decoding[rname] = 0, []
         self.admission.ungate(rname)
 
     def open(self, agent: AgentState) -> None:
@@ -90,7 +90,7 @@ class AgentLifecycle:
 
     def opened_admitted(self, agent: AgentState) -> None:
         """Its KV has room on its replica: open its session (on a fork of its shared prefix or not)."""
-        agent.state = "opening"
+        agent.state = AgentPhase.OPENING
         if agent.shares_prefix:
             self.prefixes.fork_into(agent, agent.prefix_key)
             return
@@ -108,7 +108,7 @@ class AgentLifecycle:
         if agent.dropped or agent.sid != sid:  # its run ended, or it started over, while the session opened
             self.queues.call(replica, CloseCall(sid))
             return
-        agent.state = "open"
+        agent.state = AgentPhase.OPEN
         if prefix_len:
             agent.fed, agent.seg, agent.offset = prefix_len, 1, 0
             agent.result.prefill_reused += prefix_len
@@ -119,16 +119,16 @@ class AgentLifecycle:
 
     def inputs_done(self, agent: AgentState) -> bool:
         for name in agent.upstream:  # a loop, not all(): this runs for every token of every upstream
-            if self.agents[name].state != "done":
+            if self.state.agents[name].state != AgentPhase.DONE:
                 return False
         return True
 
     def advance(self, agent: AgentState) -> None:
-        if agent.state != "open" or agent.busy:
+        if agent.state != AgentPhase.OPEN or agent.busy:
             return
         if not agent.streams and not self.inputs_done(agent):
             return
-        pieces, count, complete, streamed = feedable(self.agents, agent)
+        pieces, count, complete, streamed = feedable(self.state.agents, agent)
         if not complete and (not count or (agent.fed > 0 and count < self.chunk_tokens)):
             return  # wait for a full chunk (the static part goes at once)
         ids: list[int] = []
@@ -136,8 +136,8 @@ class AgentLifecycle:
             ids.extend(tokens[start:])
         agent.busy, agent.fresh = True, agent.fed == 0
         if agent.fresh:
-            self.fresh_sids.add(agent.sid)
-        consume(self.agents, agent, len(ids))
+            self.state.fresh_sids.add(agent.sid)
+        consume(self.state.agents, agent, len(ids))
         agent.result.streamed_tokens += streamed
         agent.result.prompt_tokens += len(ids)
         call = PrefillCall(agent.sid, ids, agent.sampling if complete else None, agent.strategy != TEXT_NOCACHE)
@@ -150,14 +150,14 @@ class AgentLifecycle:
         agent.busy = False
         if agent.dropped:  # its run ended while the segment ran: its session is closed after this call
             return
-        self.fresh_sids.discard(agent.sid)
+        self.state.fresh_sids.discard(agent.sid)
         agent.result.prefill_computed += out["computed"]
         agent.result.prefill_reused += out["reused"]
         if agent.fresh:
             agent.prefix_via = agent.prefix_via or ("reuse" if out["reused"] else "recompute")
         if "token" in out:
-            agent.state = "decoding"
-            insort(self.decoding[agent.replica], agent, key=lambda a: a.order)
+            agent.state = AgentPhase.DECODING
+            insort(self.state.decoding[agent.replica], agent, key=lambda a: a.order)
             self.token(agent, out["token"])
         else:
             self.advance(agent)
@@ -169,7 +169,7 @@ class AgentLifecycle:
         for i, end in enumerate(ends):
             t = now - (ends[-1] - end)
             for agent, row in zip(decoding, tokens):
-                if i < len(row) and agent.state == "decoding":
+                if i < len(row) and agent.state == AgentPhase.DECODING:
                     self.token(agent, row[i], t)
 
     def token(self, agent: AgentState, token: int, t: float | None = None) -> None:
@@ -185,16 +185,16 @@ class AgentLifecycle:
             if self.on_token is not None:
                 self.on_token(agent.name, token)
         if not is_eos and r.decoded < agent.max_tokens:
-            for consumer in self.streaming_readers[agent.name]:  # the others wait for it to finish
+            for consumer in self.state.streaming_readers[agent.name]:  # the others wait for it to finish
                 self.advance(consumer)
             return
-        agent.state, agent.end_s = "done", t
+        agent.state, agent.end_s = AgentPhase.DONE, t
         self.unfinished -= 1
-        self.load[agent.replica] -= 1
-        self.decoding[agent.replica].remove(agent)
+        self.state.load[agent.replica] -= 1
+        self.state.decoding[agent.replica].remove(agent)
         self.queues.call(agent.replica, CloseCall(agent.sid))
-        for consumer in self.readers[agent.name]:  # before its release: they wait for room with its prefix held
-            if consumer.state == "new" and self.inputs_done(consumer):
+        for consumer in self.state.readers[agent.name]:  # before its release: they wait for room with its prefix held
+            if consumer.state == AgentPhase.NEW and self.inputs_done(consumer):
                 self.open(consumer)
             else:
                 self.advance(consumer)
@@ -205,8 +205,8 @@ class AgentLifecycle:
     def restart(self, agent: AgentState, gate: bool = False) -> None:
         """Start an agent over from its prompt (its lineage) on a live replica; `gate`: only once
         something on that replica has ended (it was preempted for lack of KV)."""
-        if agent in self.decoding[agent.replica]:
-            self.decoding[agent.replica].remove(agent)
+        if agent in self.state.decoding[agent.replica]:
+            self.state.decoding[agent.replica].remove(agent)
         self.release_kv(agent)
         if gate:
             self.admission.gate(agent)
@@ -218,8 +218,8 @@ class AgentLifecycle:
         but those in `lost` (restarted anyway)."""
         self.restart(agent, gate)
         for name in agent.consumers:
-            consumer = self.agents[name]
-            if consumer.state not in ("new", "admitting", "done") and consumer not in lost and consumer.fed:
+            consumer = self.state.agents[name]
+            if consumer.state not in (AgentPhase.NEW, AgentPhase.ADMITTING, AgentPhase.DONE) and consumer not in lost and consumer.fed:
                 self.queues.call(consumer.replica, CloseCall(consumer.sid))
                 self.restart(consumer)
 
@@ -227,6 +227,6 @@ class AgentLifecycle:
         """Close the sessions of `agents` (those that have one) and start them over once KV frees
         up on their replica."""
         for agent in agents:
-            if agent.state != "opening":  # an agent waiting for a shared prefix has no session yet
+            if agent.state != AgentPhase.OPENING:  # an agent waiting for a shared prefix has no session yet
                 self.queues.call(agent.replica, CloseCall(agent.sid))
             self.restart_with_readers(agent, gate=True)

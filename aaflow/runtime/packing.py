@@ -16,8 +16,8 @@ from aaflow.runtime.calls import Call, PackCall, PrefillCall
 # Tokens a pack may add to compute beyond its first request's: calls stay short, so decode steps interleave.
 PACK_MAX_TOKENS = 1024
 # Fresh requests are compared with the first one starting with the same LEADER_KEY_TOKENS tokens (one
-# KV block: 64 A->B pairs' prompts share only a 32-token chat header; keyed on 64 tokens, each was
-# costed whole, and they went in three packs of 24 / 24 / 16 instead of one: run 5.9 -> 5.6 s).
+# KV block): prompts that share only a short chat header must still find each other, or each is
+# costed whole and they split into several packs.
 LEADER_KEY_TOKENS = 16
 COMPARE_RUN = 512  # ids compared at a time when looking for where two requests differ
 

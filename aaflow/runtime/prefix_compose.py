@@ -8,25 +8,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from aaflow.runtime.calls import Call, ComposeCall, FreeCall, MaterializeCall
+from aaflow.runtime.prefix_key import PlacedPrefix, PrefixKey
 
 if TYPE_CHECKING:
     from aaflow.runtime.call_queues import CallQueues
-
-Prefix = tuple  # (model, token ids, None or (compose mode, r, the parts' lengths))
-
 
 class Compositions:
     """Owns the compositions under way: per composed prefix and replica, its parts made so far."""
 
     def __init__(self, queues: CallQueues) -> None:
         self.queues = queues
-        self.parts: dict[tuple, list] = {}  # composed prefix + (replica,) -> its parts' records (None: not made)
+        self.parts: dict[PlacedPrefix, list] = {}  # a composed prefix's parts' records (None: not made)
 
-    def start(self, prefix: Prefix, rname: str, done: Callable[[object, int], None]) -> None:
+    def start(self, prefix: PrefixKey, rname: str, done: Callable[[object, int], None]) -> None:
         """Materialize the prefix's parts on `rname`, then compose them; `done(record, tokens
         computed for it)` once composed."""
-        mode, r, lengths = prefix[2]
-        key = prefix + (rname,)
+        mode, r, lengths = prefix.compose
+        key = PlacedPrefix(prefix, rname)
         parts: list = [None] * len(lengths)
         self.parts[key] = parts
 
@@ -48,27 +46,27 @@ class Compositions:
         for i, piece in enumerate(pieces(prefix)):
             self.queues.call(rname, MaterializeCall(list(piece)), then=lambda rec, i=i: made(i, rec))
 
-    def abandon(self, prefix: Prefix, rname: str) -> None:
+    def abandon(self, prefix: PrefixKey, rname: str) -> None:
         """A part was refused: free the parts made so far (and, as they end, those still coming)."""
-        for part in self.parts.pop(prefix + (rname,), []):
+        for part in self.parts.pop(PlacedPrefix(prefix, rname), []):
             if part is not None:
                 self.queues.call(rname, FreeCall(part.id))
 
     def let_go(self, dead: set[str]) -> list[tuple[str, Call]]:
         """After a failed run: forget every composition; answers the frees of the parts made on
         live replicas."""
-        calls = [(key[-1], FreeCall(part.id)) for key, parts in self.parts.items()
-                 for part in parts if part is not None and key[-1] not in dead]
+        calls = [(key.replica, FreeCall(part.id)) for key, parts in self.parts.items()
+                 for part in parts if part is not None and key.replica not in dead]
         self.parts.clear()
         return calls
 
 
-def pieces(prefix: Prefix) -> list[tuple]:
+def pieces(prefix: PrefixKey) -> list[tuple]:
     """The token tuples materialized for a prefix: itself, or each part of a composed one."""
-    if prefix[2] is None:
-        return [prefix[1]]
-    lengths, start, out = prefix[2][2], 0, []
+    if prefix.compose is None:
+        return [prefix.ids]
+    lengths, start, out = prefix.compose[2], 0, []
     for n in lengths:
-        out.append(tuple(prefix[1][start:start + n]))
+        out.append(tuple(prefix.ids[start:start + n]))
         start += n
     return out

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.calls import Call, EvictCall, FreeCall, MaterializeCall, OpenCall
 from aaflow.runtime.kv_move import MoveInFlight, start_move
-from aaflow.runtime.prefix_compose import Compositions, Prefix, pieces
+from aaflow.runtime.prefix_compose import Compositions, pieces
+from aaflow.runtime.prefix_key import PlacedPrefix, PrefixKey
 from aaflow.runtime.scheduler_state import SchedulerState
 
 if TYPE_CHECKING:
@@ -29,18 +30,18 @@ class PrefixSharing:
     def __init__(self, state: SchedulerState, queues: CallQueues, transport: str | None,
                  forked: Callable[[AgentState, str, str, int], None]) -> None:
         self.state, self.queues, self._transport, self.forked = state, queues, transport, forked
-        self.refs: dict[Prefix, dict[str, str]] = {}  # prefix -> {replica: ref id}
-        self.waiters: dict[tuple, list[AgentState]] = {}  # prefix + (replica,) -> agents waiting there
-        self.transferring: dict[tuple, MoveInFlight] = {}  # prefix + (dest,) -> its move
-        self.origin: dict[Prefix, str] = {}  # prefix -> replica materializing it
-        self.origin_since: dict[Prefix, float] = {}  # prefix -> when its origin was asked to materialize it
-        self.computing_here: set[tuple] = set()  # prefix + (replica,): being computed there (nothing is moved there)
+        self.refs: dict[PrefixKey, dict[str, str]] = {}  # prefix -> {replica: ref id}
+        self.waiters: dict[PlacedPrefix, list[AgentState]] = {}  # agents waiting for a prefix on their replica
+        self.transferring: dict[PlacedPrefix, MoveInFlight] = {}  # a prefix's move to its destination
+        self.origin: dict[PrefixKey, str] = {}  # prefix -> replica materializing it
+        self.origin_since: dict[PrefixKey, float] = {}  # prefix -> when its origin was asked to materialize it
+        self.computing_here: set[PlacedPrefix] = set()  # being computed there (nothing is moved there)
         self._costs, self._costs_asked = None, False
         self.compositions = Compositions(queues)
-        self.evicted: set[tuple] = set()  # prefix + (replica,) evicted by an evict node: a ref, not resident
+        self.evicted: set[PlacedPrefix] = set()  # evicted by an evict node: a ref, not resident
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
-        self.fidelity: dict[Prefix, object] = {}  # prefix -> FidelityReport of a composed prefix
+        self.fidelity: dict[PrefixKey, object] = {}  # prefix -> FidelityReport of a composed prefix
 
     @property
     def transport(self) -> str:
@@ -64,33 +65,33 @@ class PrefixSharing:
                 if not waiting:
                     del self.waiters[key]
 
-    def on_its_way(self, prefix: Prefix) -> bool:
+    def on_its_way(self, prefix: PrefixKey) -> bool:
         """Something is still being computed or moved for `prefix` somewhere."""
-        return any(k[:-1] == prefix for k in self.waiters) or any(k[:-1] == prefix for k in self.transferring)
+        return any(k.prefix == prefix for k in self.waiters) or any(k.prefix == prefix for k in self.transferring)
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""
         return {id(a) for waiters in self.waiters.values() for a in waiters}
 
-    def fork_into(self, agent: AgentState, prefix: Prefix) -> None:
+    def fork_into(self, agent: AgentState, prefix: PrefixKey) -> None:
         """Open the agent's session on a fork of the prefix's KV on its replica, materializing or
         transferring the prefix first."""
         holders = self.refs.setdefault(prefix, {})
         rname = agent.replica
         if rname in holders:
-            self.evicted.discard(prefix + (rname,))  # the fork brings it back
+            self.evicted.discard(PlacedPrefix(prefix, rname))  # the fork brings it back
             agent.prefix_via = agent.prefix_via or "reuse"
             agent.result.fidelity = self.fidelity.get(prefix)
             sid = agent.sid
-            self.queues.call(rname, OpenCall(sid, holders[rname]), then=lambda _: self.forked(agent, rname, sid, len(prefix[1])))
+            self.queues.call(rname, OpenCall(sid, holders[rname]), then=lambda _: self.forked(agent, rname, sid, len(prefix.ids)))
             return
-        waiting = self.waiters.setdefault(prefix + (rname,), [])
+        waiting = self.waiters.setdefault(PlacedPrefix(prefix, rname), [])
         waiting.append(agent)
         if len(waiting) > 1:
             return
         self._fetch(prefix, rname, may_compute=agent.planned)
 
-    def _fetch(self, prefix: Prefix, rname: str, may_compute: bool = False) -> None:
+    def _fetch(self, prefix: PrefixKey, rname: str, may_compute: bool = False) -> None:
         """Bring the prefix to `rname`: moved from a live replica that holds it, else computed there
         (once: while another replica computes it, `rname` waits to receive it), unless
         `may_compute` (the agent's strategy is the planner's, not one the user named) and the cost
@@ -104,30 +105,30 @@ class PrefixSharing:
                 self._transfer(prefix, source, rname, holders[source])
         elif prefix not in self.origin:
             self.origin[prefix], self.origin_since[prefix] = rname, self.state.now()
-            self.computing_here.add(prefix + (rname,))
+            self.computing_here.add(PlacedPrefix(prefix, rname))
             self._materialize(prefix, rname)
         elif may_compute and self._sooner_here(prefix, self._ready_in(prefix)):
             self._compute_here(prefix, rname)
 
-    def _sooner_here(self, prefix: Prefix, holder_ready_in_s: float) -> bool:
+    def _sooner_here(self, prefix: PrefixKey, holder_ready_in_s: float) -> bool:
         costs = self.costs
-        return costs is not None and prefix[2] is None and costs.compute_here(prefix[0], len(prefix[1]), holder_ready_in_s)
+        return costs is not None and prefix.compose is None and costs.compute_here(prefix.model, len(prefix.ids), holder_ready_in_s)
 
-    def _ready_in(self, prefix: Prefix) -> float:
+    def _ready_in(self, prefix: PrefixKey) -> float:
         """Seconds until the prefix's origin has computed it, as the cost model expects."""
         elapsed = self.state.now() - self.origin_since.get(prefix, self.state.now())
-        return self.costs.ready_in_s(prefix[0], len(prefix[1]), elapsed)
+        return self.costs.ready_in_s(prefix.model, len(prefix.ids), elapsed)
 
-    def _compute_here(self, prefix: Prefix, rname: str) -> None:
-        self.computing_here.add(prefix + (rname,))
-        self.state.note(f"computing a prefix of {len(prefix[1])} tokens on {rname}: sooner than moving it there "
+    def _compute_here(self, prefix: PrefixKey, rname: str) -> None:
+        self.computing_here.add(PlacedPrefix(prefix, rname))
+        self.state.note(f"computing a prefix of {len(prefix.ids)} tokens on {rname}: sooner than moving it there "
                         "(cost model)")
         self._materialize(prefix, rname)
 
-    def _materialize(self, prefix: Prefix, rname: str) -> None:
+    def _materialize(self, prefix: PrefixKey, rname: str) -> None:
         """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
-        if prefix[2] is None:
-            self.queues.call(rname, MaterializeCall(list(prefix[1])),
+        if prefix.compose is None:
+            self.queues.call(rname, MaterializeCall(list(prefix.ids)),
                              then=lambda rec: self._materialized(prefix, rname, rec))
             return
         def composed(record, computed: int) -> None:
@@ -137,8 +138,8 @@ class PrefixSharing:
 
         self.compositions.start(prefix, rname, composed)
 
-    def _transfer(self, prefix: Prefix, source: str, dest: str, ref_id: str) -> None:
-        key = prefix + (dest,)
+    def _transfer(self, prefix: PrefixKey, source: str, dest: str, ref_id: str) -> None:
+        key = PlacedPrefix(prefix, dest)
 
         def received(answer) -> None:
             self.transferring.pop(key, None)
@@ -146,47 +147,47 @@ class PrefixSharing:
 
         self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport, received)
 
-    def _count(self, prefix: Prefix, rname: str, tokens: int) -> None:
+    def _count(self, prefix: PrefixKey, rname: str, tokens: int) -> None:
         """`tokens` were computed to make `prefix` on `rname`; its first waiter's run counts them."""
         self.computed += tokens
-        waiters = self.waiters.get(prefix + (rname,))
+        waiters = self.waiters.get(PlacedPrefix(prefix, rname))
         if waiters:
             name = waiters[0].name
             self.computed_for[name] = self.computed_for.get(name, 0) + tokens
 
-    def _materialized(self, prefix: Prefix, rname: str, record) -> None:
+    def _materialized(self, prefix: PrefixKey, rname: str, record) -> None:
         self._count(prefix, rname, record.computed)
         self._ready(prefix, rname, record.id, 0, received=False)
 
-    def _ready(self, prefix: Prefix, rname: str, ref_id: str, nbytes: int, received: bool) -> None:
+    def _ready(self, prefix: PrefixKey, rname: str, ref_id: str, nbytes: int, received: bool) -> None:
         holders = self.refs.setdefault(prefix, {})
-        self.computing_here.discard(prefix + (rname,))
+        self.computing_here.discard(PlacedPrefix(prefix, rname))
         if rname in holders:  # it arrived there twice: keep one
             self.queues.call(rname, FreeCall(ref_id))
             ref_id = holders[rname]
         holders[rname] = ref_id
-        waiters = self.waiters.pop(prefix + (rname,), [])
+        waiters = self.waiters.pop(PlacedPrefix(prefix, rname), [])
         if waiters:  # one transfer serves every waiter: its bytes count once, for the first
             waiters[0].result.bytes_moved += nbytes
         for i, agent in enumerate(waiters):
             agent.prefix_via = agent.prefix_via or ("transfer" if received else "recompute" if i == 0 else "reuse")
             self.fork_into(agent, prefix)
         for key, waiting in list(self.waiters.items()):  # replicas waiting for this prefix
-            if key[:-1] == prefix and waiting and key not in self.transferring and key not in self.computing_here:
+            if key.prefix == prefix and waiting and key not in self.transferring and key not in self.computing_here:
                 self._transfer(prefix, rname, waiting[0].replica, ref_id)
 
-    def evict_if_forked(self, prefix: Prefix) -> None:
+    def evict_if_forked(self, prefix: PrefixKey) -> None:
         """An evict node named a context of this prefix: evict its shared KV on every replica once
         every agent that shares it has forked it (an agent restarted later forks it again: the
         replica rebuilds it from its lineage)."""
         sharers = [a for a in self.state.agents.values() if a.prefix_key == prefix and a.evicts_prefix]
         resident = [r for r in self.refs.get(prefix, {}) if self.resident(prefix, r) and r not in self.state.dead]
-        if not resident or any(a.state in ("new", "opening") for a in sharers):
+        if not resident or any(a.state in (AgentPhase.NEW, AgentPhase.OPENING) for a in sharers):
             return
         for rname in resident:
             self.queues.call(rname, EvictCall(self.refs[prefix][rname]))
-            self.evicted.add(prefix + (rname,))
-        self.state.note(f"evicted a shared prefix of {len(prefix[1])} tokens")
+            self.evicted.add(PlacedPrefix(prefix, rname))
+        self.state.note(f"evicted a shared prefix of {len(prefix.ids)} tokens")
 
     def drop_held(self, rname: str) -> None:
         """Free the shared prefixes held on `rname` (calls already queued there that use them run
@@ -218,7 +219,7 @@ class PrefixSharing:
         keys = {k for k in keys if k in self.refs}
         if not keys:
             return 0
-        pending = {a.prefix_key for a in self.state.agents.values() if a.state != "done" and a.prefix_key in keys}
+        pending = {a.prefix_key for a in self.state.agents.values() if a.state != AgentPhase.DONE and a.prefix_key in keys}
         unread = [key for key in keys - pending if not self.on_its_way(key)]
         for key in unread:
             self.forget(key)
@@ -229,16 +230,16 @@ class PrefixSharing:
         for prefix in list(self.refs):
             self.forget(prefix)
 
-    def forget(self, prefix: Prefix) -> None:
+    def forget(self, prefix: PrefixKey) -> None:
         """Free the prefix's shared KV wherever it is held, and forget it."""
         self.free(self.refs.pop(prefix, {}))
         self.origin.pop(prefix, None)
         self.origin_since.pop(prefix, None)
-        self.evicted -= {k for k in self.evicted if k[:-1] == prefix}
+        self.evicted -= {k for k in self.evicted if k.prefix == prefix}
 
-    def resident(self, prefix: Prefix, rname: str) -> bool:
+    def resident(self, prefix: PrefixKey, rname: str) -> bool:
         """`rname` holds the prefix's shared KV, not evicted."""
-        return rname in self.refs.get(prefix, {}) and prefix + (rname,) not in self.evicted
+        return rname in self.refs.get(prefix, {}) and PlacedPrefix(prefix, rname) not in self.evicted
 
     def free(self, holders: dict[str, str]) -> None:
         for rname, ref_id in holders.items():
@@ -250,20 +251,20 @@ class PrefixSharing:
         computing computes it now."""
         for holders in self.refs.values():
             holders.pop(rname, None)
-        self.evicted = {k for k in self.evicted if k[-1] != rname}
-        self.computing_here = {k for k in self.computing_here if k[-1] != rname}
-        self.waiters = {k: v for k, v in self.waiters.items() if k[-1] != rname}
+        self.evicted = {k for k in self.evicted if k.replica != rname}
+        self.computing_here = {k for k in self.computing_here if k.replica != rname}
+        self.waiters = {k: v for k, v in self.waiters.items() if k.replica != rname}
         for key, move in list(self.transferring.items()):
-            if key[-1] == rname:
+            if key.replica == rname:
                 del self.transferring[key]
                 if move.release_call() and move.source not in self.state.dead:  # the source still exposes it
                     self.queues.call(move.source, move.release_call())
             elif move.source == rname:  # the source died: the destination gets it another way
                 del self.transferring[key]
-                self._fetch(key[:-1], key[-1])
+                self._fetch(key.prefix, key.replica)
         for prefix in [p for p, origin in self.origin.items() if origin == rname]:
             del self.origin[prefix]
-            for key in [k for k in self.waiters if k[:-1] == prefix]:
+            for key in [k for k in self.waiters if k.prefix == prefix]:
                 for agent in self.waiters.pop(key):
                     self.fork_into(agent, prefix)
 
@@ -277,12 +278,12 @@ class PrefixSharing:
         prefix = next((p for p, origin in self.origin.items() if origin == rname and tokens in pieces(p)), None)
         if prefix is not None:
             del self.origin[prefix]
-            keys = [k for k in self.waiters if k[:-1] == prefix]
+            keys = [k for k in self.waiters if k.prefix == prefix]
         else:  # computed there after a failed transfer to it: its own waiters only
-            prefix = next((k[:-1] for k in self.waiters if k[-1] == rname and tokens in pieces(k[:-1])), None)
-            keys = [] if prefix is None else [prefix + (rname,)]
+            prefix = next((k.prefix for k in self.waiters if k.replica == rname and tokens in pieces(k.prefix)), None)
+            keys = [] if prefix is None else [PlacedPrefix(prefix, rname)]
         if prefix is not None:
-            self.computing_here.discard(prefix + (rname,))
+            self.computing_here.discard(PlacedPrefix(prefix, rname))
             self.compositions.abandon(prefix, rname)
         return [agent for key in keys for agent in self.waiters.pop(key)]
 
@@ -293,5 +294,5 @@ class PrefixSharing:
             if move.release_call():
                 self.queues.call(move.source, move.release_call())
             self.computing_here.add(key)
-            self._materialize(key[:-1], key[-1])
+            self._materialize(key.prefix, key.replica)
 

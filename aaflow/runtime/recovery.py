@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from aaflow.errors import AAFlowError, KVCapacityError, KVRefFreedError
-from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.backend import Ticket
 from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
                                   OpenCall, ReceiveCall, ReleaseCall)
@@ -75,7 +75,7 @@ class Recovery:
         s = self.state
         calls = self._made_in_flight(inflight)
         calls += [(a.replica, CloseCall(a.sid)) for a in s.agents.values()
-                  if a.replica is not None and a.replica not in s.dead and a.state != "done"]
+                  if a.replica is not None and a.replica not in s.dead and a.state != AgentPhase.DONE]
         tickets = [s.backend.submit(rname, call) for rname, call in calls + held]
         s.backend.wait(tickets, len(tickets), CLEANUP_TIMEOUT_S)
 
@@ -109,7 +109,7 @@ class Recovery:
         """Nothing of the run runs and `keep` waits for room on `rname` that other runs hold: the
         run's sessions there give their KV back (they start over later), and so do its shared
         prefixes, so that runs holding KV while waiting for each other cannot wait forever."""
-        victims = [a for a in self.state.placed[rname] if a.state in ("open", "decoding") and a is not keep]
+        victims = [a for a in self.state.placed[rname] if a.state in (AgentPhase.OPEN, AgentPhase.DECODING) and a is not keep]
         for agent in victims:
             self.preempted[agent.name] = self.preempted.get(agent.name, 0) + 1
             self.state.note(f"preempted {agent.name} on {rname}: it holds KV while other runs hold what its run "
@@ -134,7 +134,7 @@ class Recovery:
     def _kv_short(self, ticket: Ticket, exc: KVCapacityError, refused_prefix) -> Failure:
         """The replica refused a call for lack of KV blocks: preempt (see the module docstring)."""
         s, call = self.state, ticket.call
-        on_replica = {a.sid: a for a in s.agents.values() if a.replica == ticket.replica and a.state != "done"}
+        on_replica = {a.sid: a for a in s.agents.values() if a.replica == ticket.replica and a.state != AgentPhase.DONE}
         if call.kind.steps and not call.requests:
             decoding = [on_replica[sid] for sid in call.sessions if sid in on_replica]
             victims = [max(decoding, key=lambda a: a.order)] if decoding else []
@@ -162,7 +162,7 @@ class Recovery:
         if sessions and sessions <= s.dropped_sids:  # nobody waits for it
             return Failure()
         involved = [a.name for a in s.agents.values() if a.sid in sessions and a.replica == ticket.replica]
-        failed = involved or [a.name for a in s.placed[ticket.replica] if a.state != "done"]
+        failed = involved or [a.name for a in s.placed[ticket.replica] if a.state != AgentPhase.DONE]
         waiting = sorted({c for name in failed for c in s.agents[name].consumers})
         raise AgentFailedError(
             f"agent(s) {failed} on replica {ticket.replica} failed: {type(exc).__name__}: {exc}; "

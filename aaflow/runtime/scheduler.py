@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 
 from aaflow.runtime.admission import Admission
-from aaflow.runtime.agent_state import AgentState
+from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.backend import Backend, ReplicaLostError, Ticket
 from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CloseCall
@@ -37,16 +37,12 @@ class Scheduler(AgentLifecycle):
         self.on_token, self.on_done = on_token, on_done  # (agent name, token id) / (agent name): streaming
         self.chunk_tokens, self.call_timeout_s = max(1, chunk_tokens), call_timeout_s
         st = self.state = SchedulerState(backend, eos)
-        # the scheduler's own names for the state its parts read
-        self.agents, self.dead, self.placed, self.decoding, self.load = st.agents, st.dead, st.placed, st.decoding, st.load
-        self.readers, self.streaming_readers, self.events = st.readers, st.streaming_readers, st.events
-        self.fresh_sids, self.dropped_sids, self.replicas, self.eos = st.fresh_sids, st.dropped_sids, st.replicas, st.eos
         self.placements = 0
         self.run_id = uuid.uuid4().hex[:12]  # session names are unique across concurrent runs on shared replicas
         self.unfinished = 0
         self.placement = Placement()
         self.queues = CallQueues(st, lend_cores, self.on_steps, lambda: self.prefixes.waiting_agents())
-        self.admission = Admission(self.replicas, self.agents, self.dead,
+        self.admission = Admission(self.state.replicas, self.state.agents, self.state.dead,
                                    lambda key, replica: self.prefixes.resident(key, replica))
         self.prefixes = PrefixSharing(st, self.queues, transport, self.opened)
         self.recovery = Recovery(st, self.run_id)
@@ -54,10 +50,10 @@ class Scheduler(AgentLifecycle):
 
     def _register(self, agents: dict[str, AgentState]) -> None:
         """Take `agents` (names unique across everything this scheduler runs) into its state."""
-        self.agents.update(agents)
+        self.state.agents.update(agents)
         for a in agents.values():
-            self.readers[a.name] = [self.agents[c] for c in a.consumers]
-            self.streaming_readers[a.name] = [c for c in self.readers[a.name] if c.streams]
+            self.state.readers[a.name] = [self.state.agents[c] for c in a.consumers]
+            self.state.streaming_readers[a.name] = [c for c in self.state.readers[a.name] if c.streams]
         self.unfinished += len(agents)
 
     def add(self, agents: dict[str, AgentState]) -> None:
@@ -70,12 +66,12 @@ class Scheduler(AgentLifecycle):
     def forget(self, agents: list[AgentState]) -> None:
         """Drop finished (or dropped) agents from the scheduler's state once their run has ended."""
         for a in agents:
-            self.agents.pop(a.name, None)
-            self.readers.pop(a.name, None)
-            self.streaming_readers.pop(a.name, None)
+            self.state.agents.pop(a.name, None)
+            self.state.readers.pop(a.name, None)
+            self.state.streaming_readers.pop(a.name, None)
             self.recovery.forget(a.name)
-        for name, placed in self.placed.items():
-            self.placed[name] = [a for a in placed if a not in agents]
+        for name, placed in self.state.placed.items():
+            self.state.placed[name] = [a for a in placed if a not in agents]
 
     def drop(self, agents: list[AgentState]) -> None:
         """End `agents` (one run's: it failed, was cancelled or passed its deadline) without their
@@ -84,22 +80,22 @@ class Scheduler(AgentLifecycle):
         whatever call of it is in flight (a replica runs its calls in order). Calls of it that end
         later find it dropped and do nothing; the other runs' agents are not touched."""
         for agent in agents:
-            if agent.state == "done":
+            if agent.state == AgentPhase.DONE:
                 continue
             replica = agent.replica
             if replica is not None:
-                if agent in self.decoding[replica]:
-                    self.decoding[replica].remove(agent)
-                self.load[replica] -= 1
+                if agent in self.state.decoding[replica]:
+                    self.state.decoding[replica].remove(agent)
+                self.state.load[replica] -= 1
                 self.queues.discard_prefills(replica, agent.sid)
-                if agent.state not in ("new", "admitting") and replica not in self.dead:
+                if agent.state not in (AgentPhase.NEW, AgentPhase.ADMITTING) and replica not in self.state.dead:
                     self.queues.call(replica, CloseCall(agent.sid))
             self.release_kv(agent)
             self.admission.drop(agent)
             self.prefixes.stop_waiting(agent)
-            self.fresh_sids.discard(agent.sid)
-            self.dropped_sids.add(agent.sid)
-            agent.state, agent.dropped, agent.busy = "done", True, False
+            self.state.fresh_sids.discard(agent.sid)
+            self.state.dropped_sids.add(agent.sid)
+            agent.state, agent.dropped, agent.busy = AgentPhase.DONE, True, False
             agent.end_s = self.now()
             self.unfinished -= 1
 
@@ -140,18 +136,18 @@ class Scheduler(AgentLifecycle):
         self.queues = self.admission = self.prefixes = self.recovery = None
 
     def _loop(self) -> None:
-        for agent in self.agents.values():
+        for agent in self.state.agents.values():
             self.open_if_ready(agent)
         while self.unfinished:
             if not self.launch():
-                stuck = [a.name for a in self.agents.values() if a.state != "done"]
+                stuck = [a.name for a in self.state.agents.values() if a.state != AgentPhase.DONE]
                 raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come",
                                        stuck)
             ready = self.backend.wait(list(self.queues.inflight), 1, self.call_timeout_s)
             if not ready:
                 names = sorted({t.replica for t in self.queues.inflight})
                 raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s",
-                                       [a.name for a in self.agents.values() if a.state != "done"])
+                                       [a.name for a in self.state.agents.values() if a.state != AgentPhase.DONE])
             self.process(ready[0])
 
     def launch(self) -> bool:
@@ -191,9 +187,9 @@ class Scheduler(AgentLifecycle):
     def replica_died(self, rname: str) -> None:
         """Its sessions are lost: every agent it ran starts over elsewhere (`Recovery`, module doc)."""
         self.state.note(f"replica {rname} died; recomputing its agents elsewhere")
-        self.dead.add(rname)
+        self.state.dead.add(rname)
         self.queues.drop_replica(rname)
         self.prefixes.replica_died(rname)
-        lost = [a for a in self.placed[rname] if a.state != "done"]
+        lost = [a for a in self.state.placed[rname] if a.state != AgentPhase.DONE]
         for agent in lost:
             self.restart_with_readers(agent, lost)

@@ -22,13 +22,13 @@ import threading
 import time
 
 from aaflow.errors import AAFlowError
-from aaflow.runtime.agent_state import AgentState, namespaced
+from aaflow.runtime.agent_state import AgentPhase, AgentState, namespaced
 from aaflow.runtime.calls import CloseCall
 from aaflow.runtime.executor import collect
-from aaflow.runtime.run_handle import RunCancelledError, RunHandle
-from aaflow.runtime.service_run import ServiceRun
 from aaflow.runtime.recovery import AgentFailedError
+from aaflow.runtime.run_handle import RunCancelledError, RunHandle
 from aaflow.runtime.scheduler import Scheduler
+from aaflow.runtime.service_run import ServiceRun
 
 TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at deadlines and cancels
 
@@ -81,24 +81,10 @@ class RunService:
     def _serve(self) -> None:
         s = self.scheduler
         while not self._stopped:
-            due_s = self._release_kept()  # frees queue their calls: then the loop is not idle
-            idle = not s.unfinished and not s.queues.inflight and not self._queued()
-            self._take(block=idle, timeout_s=due_s)
-            if self._stopped:
-                break
             try:
-                self._turn()
-            except AgentFailedError as exc:
-                self._fail_agents(exc)
-            except Exception as exc:  # noqa: BLE001 - a bug must not hang every client: fail them all
-                for run in [r for r in self.runs.values() if not r.ended]:
-                    self._end(run, exc)
-            for run, exc in self._raised:  # a client's callback raised: its run ends, the others go on
-                if not run.ended:
-                    self._end(run, exc)
-            self._raised.clear()
-            self._reap()
-            self.cpu_s = time.thread_time()
+                self._serve_once()
+            except Exception as exc:  # noqa: BLE001 - a bug in the loop must not leave a client waiting
+                self._fail_everything(exc)
         for run in list(self.runs.values()):
             if not run.ended:
                 self._end(run, RunCancelledError(f"run {run.id}: the cluster's scheduler was stopped"))
@@ -109,6 +95,42 @@ class RunService:
                 if message[0] == "run":
                     message[1].handle._end(None, RunCancelledError("the cluster's scheduler was stopped"))
         s.cleanup()
+
+    def _serve_once(self) -> None:
+        """Take new runs, launch and hand on one ended call, give ended runs their results."""
+        s = self.scheduler
+        due_s = self._release_kept()  # frees queue their calls: then the loop is not idle
+        idle = not s.unfinished and not s.queues.inflight and not self._queued()
+        self._take(block=idle, timeout_s=due_s)
+        if self._stopped:
+            return
+        try:
+            self._turn()
+        except AgentFailedError as exc:
+            self._fail_agents(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must not hang every client: fail them all
+            for run in [r for r in self.runs.values() if not r.ended]:
+                self._end(run, exc)
+        for run, exc in self._raised:  # a client's callback raised: its run ends, the others go on
+            if not run.ended:
+                self._end(run, exc)
+        self._raised.clear()
+        self._reap()
+        self.cpu_s = time.thread_time()
+
+    def _fail_everything(self, exc: Exception) -> None:
+        """A bug outside a replica call's handling (taking a run, handing results): every run fails
+        with it at once, its handle resolved even where closing its sessions fails too; the loop
+        goes on for the runs that come later."""
+        for run in list(self.runs.values()):
+            try:
+                if not run.ended:
+                    self._end(run, exc)
+            except Exception:  # noqa: BLE001 - the handle below is what the client waits on
+                pass
+            run.handle._end(None, exc)
+        self.runs.clear()
+        self._owner.clear()
 
     def _turn(self) -> None:
         """Launch what may run and hand on one ended call; end runs that cannot progress."""
@@ -128,12 +150,12 @@ class RunService:
             self._progress_s = s.now()
             late = {t.replica for t in s.queues.inflight}
             raise AgentFailedError(f"replicas {sorted(late)} did not answer within {self.call_timeout_s:.0f} s",
-                                   [a.name for a in s.agents.values() if a.state != "done" and a.replica in late])
+                                   [a.name for a in s.state.agents.values() if a.state != AgentPhase.DONE and a.replica in late])
         self._check_deadlines()
 
     def _queued(self) -> bool:
         s = self.scheduler
-        return any(q for name, q in s.queues.queues.items() if name not in s.dead)
+        return any(q for name, q in s.queues.queues.items() if name not in s.state.dead)
 
     def _release_kept(self) -> float | None:
         """Free the kept prefixes whose time is up and that no pending agent reads; the seconds
@@ -165,7 +187,7 @@ class RunService:
                 continue
             _, run, eos = message
             self.eos.update(eos)
-            run.start_s, run.first_event = self.scheduler.now(), len(self.scheduler.events)
+            run.start_s, run.first_event = self.scheduler.now(), len(self.scheduler.state.events)
             self.runs[run.id] = run
             self._owner.update({name: run for name in run.agents})
             try:
@@ -202,7 +224,7 @@ class RunService:
         """Hand ended runs their results once the replicas ran their closes and frees; forget them."""
         s = self.scheduler
         for run in list(self.runs.values()):
-            if not run.ended and all(a.state == "done" for a in run.agents.values()):
+            if not run.ended and all(a.state == AgentPhase.DONE for a in run.agents.values()):
                 agents = list(run.agents.values())
                 self._keep(run)
                 s.prefixes.free_unread(_prefixes_of(agents, self.kept))
@@ -214,25 +236,29 @@ class RunService:
             if run.ended and s.prefixes.free_unread(_prefixes_of(run.agents.values(), self.kept)):
                 run.closing = None  # a prefix it asked for arrived since: close again behind its free
             if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
-                run.closing = closing = {r for r in s.queues.replicas if r not in s.dead}
+                run.closing = closing = {r for r in s.queues.replicas if r not in s.state.dead}
                 for replica in closing:
                     s.queues.call(replica, CloseCall(f"{run.id}/closed"),
                                   then=lambda _, left=closing, replica=replica: left.discard(replica))
-            if run.ended and not (run.closing - s.dead):
+            if run.ended and not (run.closing - s.state.dead):
                 del self.runs[run.id]
-                for name in run.agents:
-                    self._owner.pop(name, None)
-                    s.prefixes.computed_for.pop(name, None)
-                s.forget(list(run.agents.values()))
-                if run.result is not None:  # the loop's events while it ran (other runs' among them)
-                    run.result.events = run.events + s.events[run.first_event:]
-                    run.result.planning_s, run.result.total_s = run.planning_s, time.perf_counter() - run.called
+                try:
+                    for name in run.agents:
+                        self._owner.pop(name, None)
+                        s.prefixes.computed_for.pop(name, None)
+                    s.forget(list(run.agents.values()))
+                    if run.result is not None:  # the loop's events while it ran (other runs' among them)
+                        run.result.events = run.events + s.state.events[run.first_event:]
+                        run.result.planning_s, run.result.total_s = run.planning_s, time.perf_counter() - run.called
+                except Exception as exc:  # a bug: the run fails with it rather than wait forever
+                    run.handle._end(None, exc)
+                    raise
                 run.handle._end(run.result, run.error)
         if not self.runs:  # nothing pending anywhere: no shared prefix has a reader left
             for key in [k for k in s.prefixes.refs if k not in self.kept]:
                 s.prefixes.forget(key)
-            if len(s.events) > 10_000:
-                s.events.clear()
+            if len(s.state.events) > 10_000:
+                s.state.events.clear()
 
     def _keep(self, run: ServiceRun) -> None:
         """Its shared prefixes are kept `keep_prefix_s` from now (the longest of every run's keep)."""
@@ -259,23 +285,6 @@ class RunService:
             callback(*args)
         except Exception as exc:  # noqa: BLE001 - the client's code
             self._raised.append((run, exc))
-
-
-def service_for(cluster, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
-                lend_cores: bool = True) -> RunService:
-    """The scheduling loop of `cluster` for these options (made on first use; one per distinct set
-    of options, so every run with the defaults shares one loop). `cluster.shutdown()` stops it."""
-    from cluster.ray_backend import RayBackend
-
-    key = (max(1, chunk_tokens), call_timeout_s, transport, lend_cores)
-    with _SERVICES_LOCK:
-        services = cluster.__dict__.setdefault("_run_services", {})
-        if key not in services:
-            services[key] = RunService(RayBackend(cluster), *key)
-        return services[key]
-
-
-_SERVICES_LOCK = threading.Lock()
 
 
 def _prefixes_of(agents, kept=()) -> set:

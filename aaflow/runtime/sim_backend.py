@@ -15,8 +15,9 @@ import heapq
 import itertools
 
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
-from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, EvictCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,
-                                  OpenCall, PackCall, PrefillCall, ReceiveCall, ReleaseCall, StepCall, StepsCall)
+from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, EvictCall, ExposeCall, FreeCall, MaterializeCall,
+                                  MixedCall, OpenCall, PackCall, PrefillCall, ReceiveCall, ReleaseCall, StepCall,
+                                  StepsCall)
 from aaflow.runtime.prefix_costs import PrefixCosts
 from aaflow.runtime.sim_replica import SimReplica
 from aaflow.strategies import DEFAULT_BLOCK_TOKENS

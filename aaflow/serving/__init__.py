@@ -9,14 +9,20 @@ requests of one workflow as one graph (`aaflow.serving.workflows`). Needs the `s
 
 from __future__ import annotations
 
+import threading
+import time
+
+from aaflow.errors import AAFlowError
+from aaflow.runtime import prompt_builders
+from cluster.deployment import connect
+
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise: nothing listens on every interface by default
 DEFAULT_PORT = 8000
 
 
 def serving_app(cluster, default_max_tokens: int | None = None):
     """The FastAPI app for `cluster` (its models' tokenizers loaded here, to stream text)."""
-    from aaflow.runtime import prompt_builders
-    from aaflow.serving.app import DEFAULT_MAX_TOKENS, create_app
+    from aaflow.serving.app import DEFAULT_MAX_TOKENS, create_app  # optional: FastAPI (aaflow[serve])
 
     builders, _, _ = prompt_builders(set(cluster.models))
     return create_app(cluster, {m: b.tokenizer for m, b in builders.items()}, default_max_tokens or DEFAULT_MAX_TOKENS)
@@ -26,12 +32,9 @@ def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFA
           default_max_tokens: int | None = None) -> None:
     """Serve the deployment at `address` (or RAY_ADDRESS) over HTTP until interrupted."""
     try:
-        import uvicorn
+        import uvicorn  # optional: aaflow[serve]
     except ImportError as exc:
-        from aaflow.errors import AAFlowError
-
         raise AAFlowError("aaflow serve needs FastAPI and uvicorn: pip install 'aaflow[serve]'") from exc
-    from cluster.deployment import connect
 
     cluster = connect(address)
     try:
@@ -47,10 +50,7 @@ class BackgroundServer:
     `url` is its base (`http://HOST:PORT`); `stop()` ends it."""
 
     def __init__(self, app, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, timeout_s: float = 60.0) -> None:
-        import threading
-        import time
-
-        import uvicorn
+        import uvicorn  # optional: aaflow[serve]
 
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="aaflow-http")
@@ -58,8 +58,6 @@ class BackgroundServer:
         deadline = time.time() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.time() > deadline:
-                from aaflow.errors import AAFlowError
-
                 raise AAFlowError(f"the HTTP server did not start on {host}:{port} (is the port taken?)")
             time.sleep(0.05)
         self.url = f"http://{host}:{port}"

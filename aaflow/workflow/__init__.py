@@ -1,6 +1,16 @@
-"""The workflow DSL (Python and YAML)."""
+"""The workflow DSL: the graph (`graph`, which the core runtime runs) and its YAML form (`yaml_io`).
 
-from aaflow.workflow.graph import AgentNode, ContextNode, KVOpNode, Ref, Workflow
-from aaflow.workflow.yaml_io import load_workflow, workflow_from_dict
+Names are imported on first use, so that the core, which imports `aaflow.workflow.graph`, does not
+load the YAML reader."""
 
-__all__ = ["AgentNode", "ContextNode", "KVOpNode", "Ref", "Workflow", "load_workflow", "workflow_from_dict"]
+import importlib
+
+_EXPORTS = {"AgentNode": "graph", "ContextNode": "graph", "KVOpNode": "graph", "Ref": "graph", "Workflow": "graph",
+            "load_workflow": "yaml_io", "workflow_from_dict": "yaml_io"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'aaflow.workflow' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"aaflow.workflow.{_EXPORTS[name]}"), name)

@@ -4,7 +4,7 @@
 Surfaces: `workflow_graphs` (the DSL), `yaml_files` (mutated workflow files), `operator_arguments`
 (the `af.*` operators with bad refs and arguments), `kv_payloads` (imported KV, spilled files,
 transport control messages and received descriptors), all in this process, and `workflow_runs`
-(random small workflows run with `af.run` on a 2-replica Ray cluster). `tests/test_fuzz.py` runs a small budget of
+(random small workflows run with `af.run` on a 2-replica Ray cluster). `tests/frontend/test_fuzz.py` runs a small budget of
 each; `aaflow bench fuzz` runs >= 1,000 cases per surface and writes the counts.
 """
 

@@ -1,4 +1,5 @@
-"""A NIXL agent made safe to share between threads, with only the calls `nixl.py` needs.
+"""A NIXL agent made safe to share between threads, with only the calls `nixl.py` needs, and the
+handle that names one of its registrations to a peer (`NixlHandle`).
 
 Every call into the agent holds one lock (the agent is created without NIXL's own
 locking, and a notification poller thread shares it with fetching threads). Opaque blobs
@@ -20,7 +21,24 @@ import torch
 from aaflow.errors import KVTransferError
 
 from ._leases import Message, seal, unseal
-from .base import TransportUnavailableError
+from .base import TransferHandle, TransportUnavailableError
+
+
+@dataclass(frozen=True)
+class NixlHandle(TransferHandle):
+    agent_name: str
+    """The source's NIXL agent."""
+    agent_metadata: bytes
+    """Source's partial metadata for the registration holding the tensor, with connection
+    info (sealed: checked before NIXL parses it)."""
+    reg_id: str
+    """Id of that registration (destinations load its metadata once)."""
+    reg_range: tuple[int, int]
+    """(address, nbytes) of that registration in the source process."""
+    addr: int
+    """Address of the tensor in the source process (of its first segment, for a scatter list)."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """`expose_segments`' scatter list (address, nbytes) in the source; empty: `nbytes` at `addr`."""
 
 
 @dataclass
@@ -44,7 +62,7 @@ class AgentHost:
 
     def __init__(self, ucx_tls: str, net_devices: str, error_handling_mode: str) -> None:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent, nixl_agent_config  # optional: nixl (aaflow[transports])
             from nixl._bindings import DRAM_SEG, nixlRegDList
         except ImportError as err:
             raise TransportUnavailableError(

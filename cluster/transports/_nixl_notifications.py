@@ -3,11 +3,11 @@ the agent.
 
 Progress: with UCX shared-memory transports (`posix`, `sysv`) a READ is emulated in
 software over active messages, so the source must keep progressing its worker for the READ to
-advance. NIXL's own progress thread competes for the 2 cores here (2-5 GB/s), so each
-endpoint runs a Python thread that polls notifications: it spins while it holds leases and
-otherwise sleeps between polls: 50 us for 50 ms after the last message, then backing off
-to `idle_poll_s` (5 ms: an idle endpoint costs ~2.6% of a core, 1.3% of it NIXL's own;
-polling every 0.5 ms cost 10%). A BEGIN is answered within that
+advance. NIXL's own progress thread competes for the cores of a small machine (what it gave on
+two cores: docs/RESULTS-history.md), so each endpoint runs a Python thread that polls
+notifications: it spins while it holds leases and otherwise sleeps between polls: 50 us for 50 ms
+after the last message, then backing off to `idle_poll_s` (5 ms: an idle endpoint then costs a
+small fraction of a core; polling more often cost markedly more). A BEGIN is answered within that
 period and turns spinning on; back-to-back fetches find the poller awake.
 """
 

@@ -165,7 +165,7 @@ def _import_ucxx():
     (they would also reach NIXL's UCX in the same process); ours go in the config dict."""
     saved = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
     try:
-        import ucxx._lib.libucxx as ucx_api
+        import ucxx._lib.libucxx as ucx_api  # optional: ucxx (aaflow[transports])
         from ucxx._lib.arr import Array
     except ImportError as err:
         raise TransportUnavailableError(

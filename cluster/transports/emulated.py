@@ -11,7 +11,6 @@ of bytes/s; latency `10ns`, `50us`, `50µs`, `1ms`, `0.2s`, or a bare number of 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -19,7 +18,6 @@ from aaflow.errors import KVTransferError
 from costmodel.units import parse_bandwidth, parse_duration
 
 from .base import TransferHandle, Transport
-from .registry import get_transport
 
 SPEC_FORM = "'BASE@BANDWIDTH[,LATENCY]', e.g. 'ray@10Gbps' or 'nixl@1GB/s,50us'"
 
@@ -58,21 +56,20 @@ class EmulatedLink(Transport):
 
     def __init__(
         self,
-        base: str | Transport = "ray",
+        base: Transport,
         bandwidth_bytes_per_s: float = float("inf"),
         latency_s: float = 0.0,
         name: str | None = None,
-        **base_kwargs: Any,
     ) -> None:
-        """`base`: a transport name (created with `base_kwargs`) or an instance (then owned:
-        `close` closes it); `name`: defaults to e.g. `"ray@1.25e+09B/s,2e-05s"`."""
+        """`base`: the transport that moves the bytes (owned: `close` closes it; `get_transport`
+        creates it from a spec); `name`: defaults to e.g. `"ray@1.25e+09B/s,2e-05s"`."""
         if not bandwidth_bytes_per_s > 0 or not latency_s >= 0:
             raise ValueError(
                 f"need bandwidth_bytes_per_s > 0 and latency_s >= 0, got "
                 f"{bandwidth_bytes_per_s} and {latency_s}"
             )
         super().__init__()
-        self._base = get_transport(base, **base_kwargs) if isinstance(base, str) else base
+        self._base = base
         self.base: Transport = self._base
         """The wrapped transport that really moves the bytes."""
         self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
@@ -127,9 +124,3 @@ class EmulatedLink(Transport):
                 f"needs {self.emulated_seconds(handle.nbytes):.3f} s on this link: timed out"
             )
 
-
-def emulated_link(spec: str, **base_kwargs: Any) -> EmulatedLink:
-    """The `EmulatedLink` named by `spec` (`"ray@10Gbps"`, `"nixl@25Gbps,20us"`) over a new
-    base transport (`base_kwargs` go to its constructor); its `name` is `spec`."""
-    base, bytes_per_s, latency_s = parse_link_spec(spec)
-    return EmulatedLink(base, bytes_per_s, latency_s, name=spec, **base_kwargs)

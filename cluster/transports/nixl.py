@@ -24,7 +24,7 @@ shared-memory transports; `_nixl_notifications.NotificationPoller` does it (and 
 
 `_nixl_agent.AgentHost` wraps the agent (locking, sealed metadata, UCX environment).
 
-UCX settings (defaults measured fastest on this loopback-only machine, PLATFORM.md):
+UCX settings (defaults: the fastest measured between processes of one host over loopback):
 `UCX_TLS=self,posix,sysv` with backend option `ucx_error_handling_mode=none` and
 `UCX_NET_DEVICES=lo`. They are set in the environment only while the agent's UCX context
 is created, and an explicit constructor argument wins over the environment, which wins
@@ -41,42 +41,18 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 
 from aaflow.errors import KVTransferError
 
 from ._leases import ABORT, BEGIN, DONE, OK, LeaseTable, Message, lease_request
-from ._nixl_agent import AgentHost, Region
+from ._nixl_agent import AgentHost, NixlHandle, Region
 from ._nixl_notifications import ACK_PAYLOAD, NotificationPoller, run_cleanups
-from .base import (
-    TransferHandle,
-    TransferStillRunningError,
-    Transport,
-    _check_cpu_contiguous,
-    package_missing,
-)
+from .base import TransferHandle, TransferStillRunningError, Transport, _check_cpu_contiguous, package_missing
 from .segments import Segments, check_inside, digest, pair_up, total_nbytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NixlHandle(TransferHandle):
-    agent_name: str
-    """The source's NIXL agent."""
-    agent_metadata: bytes
-    """Source's partial metadata for the registration holding the tensor, with connection
-    info (sealed: checked before NIXL parses it)."""
-    reg_id: str
-    """Id of that registration (destinations load its metadata once)."""
-    reg_range: tuple[int, int]
-    """(address, nbytes) of that registration in the source process."""
-    addr: int
-    """Address of the tensor in the source process (of its first segment, for a scatter list)."""
-    segments: tuple[tuple[int, int], ...] = ()
-    """`expose_segments`' scatter list (address, nbytes) in the source; empty: `nbytes` at `addr`."""
 
 
 class NixlTransport(NotificationPoller, Transport):
@@ -84,15 +60,8 @@ class NixlTransport(NotificationPoller, Transport):
     handle_type = NixlHandle
     supports_segments = True
 
-    def __init__(
-        self,
-        ucx_tls: str | None = None,
-        net_devices: str | None = None,
-        error_handling_mode: str = "none",
-        idle_poll_s: float = 0.005,
-        max_lease_s: float = 255.0,
-        max_cached_outs: int = 8,
-    ) -> None:
+    def __init__(self, ucx_tls: str | None = None, net_devices: str | None = None, error_handling_mode: str = "none",
+                 idle_poll_s: float = 0.005, max_lease_s: float = 255.0, max_cached_outs: int = 8) -> None:
         """`ucx_tls`/`net_devices`: UCX_TLS / UCX_NET_DEVICES (default env, else
         `self,posix,sysv` / `lo`); `error_handling_mode`: UCX backend option
         (`none` or `peer`); `idle_poll_s`: longest notification poll period while idle;
@@ -241,7 +210,7 @@ class NixlTransport(NotificationPoller, Transport):
         """Load the metadata of the handle's registration once. NIXL only ever adds remote
         registrations; one that overlaps a new one was deregistered by the source since
         (the memory was reused), and NIXL could match READs against it, so the peer's view
-        is then rebuilt from scratch (~1 ms; `register_pool` avoids it)."""
+        is then rebuilt from scratch (`register_pool` avoids it)."""
         loaded = self._remote.setdefault(handle.agent_name, {})
         if handle.reg_id in loaded:
             return

@@ -9,7 +9,7 @@
   copy of the handle exists (and Ray 2.60 has no `free`), so `release` also writes a
   revocation marker (one small key in the GCS internal KV, namespace `aaflow-transport`)
   that `fetch` checks: a released handle raises KVTransferError. That check costs one GCS
-  round trip (~0.5 ms here) per fetch; `check_revoked=False` skips it (fetch of a
+  round trip per fetch; `check_revoked=False` skips it (fetch of a
   released handle then returns the exact exposed bytes: plasma objects are immutable).
   Markers stay until the Ray cluster shuts down (~40 bytes each).
 
@@ -25,13 +25,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 import torch
+from ray.experimental import internal_kv
 
 from aaflow.errors import KVTransferError
 
 from .base import TransferHandle, Transport, TransportUnavailableError, as_bytes, package_missing
 
-# Reading the plasma view through torch (2 threads here: 2x numpy's copy) wraps a
+# Reading the plasma view through torch (multi-threaded, faster than numpy's copy) wraps a
 # read-only array; we only ever read it, so torch's warning about that is noise.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
 
@@ -48,8 +50,6 @@ class RayStoreTransport(Transport):
 
     def __init__(self, check_revoked: bool = True) -> None:
         super().__init__()
-        import ray
-        from ray.experimental import internal_kv
 
         if not ray.is_initialized():
             raise TransportUnavailableError(

@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 from .base import Transport, TransportUnavailableError
+from .emulated import EmulatedLink, parse_link_spec
 
 _BUILTIN = {
     "local": "cluster.transports.local:LocalTransport",
@@ -43,9 +44,8 @@ def get_transport(name: str, **kwargs: Any) -> Transport:
     (a KVTransferError) naming the missing piece when the backend cannot run here.
     """
     if "@" in name:
-        from .emulated import emulated_link
-
-        return emulated_link(name, **kwargs)
+        base, bytes_per_s, latency_s = parse_link_spec(name)
+        return EmulatedLink(get_transport(base, **kwargs), bytes_per_s, latency_s, name=name)
     cls = _load(name)
     reason = cls.unavailable_reason()
     if reason is not None:

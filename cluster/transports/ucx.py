@@ -18,8 +18,8 @@ Protocol, for one fetch of handle H exposed by worker S into `out` on worker D:
    `out` (a fetch that gave up never has a receive posted into `out`); on timeout it sends
    ABORT, and S drops its endpoint to D if that send is still stuck.
 
-Progress: no ucxx progress thread (its blocking mode wakes up per event and halves the
-bandwidth here; its polling mode burns a core per endpoint). A service thread instead
+Progress: no ucxx progress thread (its blocking mode wakes up per event and cuts the
+bandwidth; its polling mode burns a core per endpoint). A service thread instead
 waits in `epoll` while nothing is in flight (no CPU when idle, woken by the next message)
 and spins `progress()` while a send is in flight; a fetching thread spins `progress()`
 itself. `_ucx_worker.WorkerHost` wraps the worker, its endpoints and its sends in flight.
@@ -27,7 +27,7 @@ itself. `_ucx_worker.WorkerHost` wraps the worker, its endpoints and its sends i
 UCX settings come from the constructor, else UCX_TLS / UCX_NET_DEVICES in the environment,
 else `self,posix,sysv` / `lo`; they go to this UCX context only (and the variables that
 `import ucxx` writes into os.environ are removed again). Endpoint error handling is off by
-default (on, loopback bandwidth falls below 1 GB/s); a dead peer is noticed by the timeout.
+default (on, loopback bandwidth drops sharply); a dead peer is noticed by the timeout.
 """
 
 from __future__ import annotations
