@@ -45,14 +45,12 @@ def run(args) -> dict:
     from cluster.transports import available_transports
 
     model = str(resolve_model_path(args.model))
-    transports = [t for t, ok in available_transports().items() if ok is True and t != "local"]
-    transports = [t for t in transports if not args.transports or t in args.transports]
+    ready = [t for t, ok in available_transports().items() if ok is True and (not args.transports or t in args.transports)]
+    transports = [t for t in ready if t != "local"]  # between two replica processes
     start_ray(num_cpus=2)
     raw = None
-    if not args.skip_raw:  # the transports alone, before the replicas load (every available one, `local` too)
-        raw = measure_transports([t for t, ok in available_transports().items() if ok is True
-                                  and (not args.transports or t in args.transports or t == "local")],
-                                 args.size_mib, 4096, args.raw_repeats, 1)
+    if not args.skip_raw:  # the transports alone, before the replicas load (`local` as the in-process bound)
+        raw = measure_transports(["local", *transports], args.size_mib, 4096, args.raw_repeats, 1)
         print_table(raw)
     pool = int(max(args.lengths) * 2.5) * kv_bytes_per_token(args.dtype)
     kw = dict(dtype=args.dtype, threads=args.threads, kv_cache_bytes=pool, prefix_caching=False)
