@@ -44,6 +44,7 @@ _EXPORTS = {
     "Cluster": "cluster.cluster",
     "ClusterError": "cluster.cluster",
     "load_workflow": "aaflow.workflow",
+    "save_workflow": "aaflow.workflow",
     "KVSpec": "operators",
     "KVRef": "operators",
     "KVHost": "operators",

@@ -41,7 +41,9 @@ BENCHMARKS = {
     "endpoint": "benchmarks.endpoint_bench",
     "chaos": "benchmarks.chaos_bench",
     "overlap-bound": "benchmarks.overlap_bound",
+    "regression": "benchmarks.regression_ab",
 }
+NOT_IN_ALL = {"regression"}  # compares two revisions of the code (needs --against), not the system
 
 
 DEMO_QUESTION = "In two sentences, why do multi-agent LLM workflows waste compute re-reading shared context?"
@@ -112,6 +114,8 @@ def _fetch_model(args) -> int:
 def _bench(args) -> int:
     if args.name == "all":
         for name, module_name in BENCHMARKS.items():
+            if name in NOT_IN_ALL:
+                continue
             module = importlib.import_module(module_name)
             sub = argparse.ArgumentParser()
             module.add_arguments(sub)

@@ -6,7 +6,8 @@ load the YAML reader."""
 import importlib
 
 _EXPORTS = {"AgentNode": "graph", "ContextNode": "graph", "KVOpNode": "graph", "Ref": "graph", "Workflow": "graph",
-            "load_workflow": "yaml_io", "workflow_from_dict": "yaml_io"}
+            "load_workflow": "yaml_io", "save_workflow": "yaml_io", "workflow_from_dict": "yaml_io",
+            "workflow_to_dict": "yaml_io"}
 __all__ = sorted(_EXPORTS)
 
 

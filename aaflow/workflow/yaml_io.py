@@ -10,6 +10,7 @@
       shared: {op: fork, inputs: [paper]}     # then {ref: shared} in a prompt
 
 Unknown keys are rejected with the key named; references may point forward (order is resolved).
+`save_workflow` writes a workflow built in Python as such a file (contexts inline).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from aaflow.errors import WorkflowError
-from aaflow.workflow.graph import Ref, Workflow
+from aaflow.workflow.graph import AgentNode, ContextNode, KVOpNode, Ref, Workflow
 
 _TOP_KEYS = {"name", "contexts", "agents", "kv_ops"}
 _KVOP_KEYS = {"op", "inputs", "replica", "mode", "r"}
@@ -79,6 +80,7 @@ def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
             kind, spec = pending.pop(name)
             spec = dict(spec)
             if kind == "kvop":
+                spec.pop("inputs", None)  # given as the handles, not as an option
                 wf.kv_op(name, spec.pop("op"), *(_ref(wf, i) for i in refs[name]), **spec)
             else:
                 parts = [_ref(wf, p["ref"]) if isinstance(p, dict) else p for p in _as_list(spec.pop("prompt"))]
@@ -144,3 +146,30 @@ def load_workflow(path: str | Path) -> Workflow:
     except (yaml.YAMLError, RecursionError) as exc:
         raise WorkflowError(f"{path} is not valid YAML: {exc}") from exc
     return workflow_from_dict(raw, base_dir=path.parent)
+
+
+def workflow_to_dict(wf: Workflow) -> dict:
+    """The YAML mapping of `wf` (contexts inline, agent settings only where they differ from the
+    defaults): `workflow_from_dict` of it builds the same workflow."""
+    defaults = AgentNode("", "", ())
+    out: dict = {"name": wf.name, "contexts": {}, "agents": {}, "kv_ops": {}}
+    for name, node in wf.nodes.items():
+        if isinstance(node, ContextNode):
+            out["contexts"][name] = {"text": node.text}
+        elif isinstance(node, KVOpNode):
+            out["kv_ops"][name] = {"op": node.op, "inputs": list(node.inputs), **dict(node.options)}
+        else:
+            spec = {"model": node.model, "prompt": [p if isinstance(p, str) else {"ref": p.name} for p in node.prompt]}
+            for key in sorted(_AGENT_KEYS - {"model", "prompt"}):
+                value = getattr(node, key)
+                if value != getattr(defaults, key):
+                    spec[key] = [list(turn) for turn in value] if key == "history" else value
+            out["agents"][name] = spec
+    return {k: v for k, v in out.items() if v}
+
+
+def save_workflow(wf: Workflow, path: str | Path) -> Path:
+    """Write `wf` as a workflow YAML file that `load_workflow` reads back as the same workflow."""
+    path = Path(path)
+    path.write_text(yaml.safe_dump(workflow_to_dict(wf), sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path

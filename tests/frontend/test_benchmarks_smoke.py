@@ -19,7 +19,7 @@ def test_benchmark_module_imports_and_parser_builds(name):
     assert callable(module.run)
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
-    args = parser.parse_args(["--quick"] if name in QUICK else [])
+    args = parser.parse_args(["--quick"] if name in QUICK else ["--against", "HEAD"] if name == "regression" else [])
     if name in QUICK:
         assert args.quick and args.out == f"results/{name}.json"
 
@@ -165,3 +165,20 @@ def test_workflows_repeat_order_is_balanced(n):
     pairs = [(o[i], o[i + 1]) for o in orders for i in range(n - 1)]
     assert len(set(pairs)) == len(pairs) == n * (n - 1)  # each side right after each other side once
     assert repeat_order(sides, n) == orders[0]
+
+
+def test_regression_blocks_alternate_and_name_what_is_over_the_tolerance():
+    from benchmarks.regression_ab import block_sides, resolve_revision, summarize
+
+    assert block_sides(6) == ["new", "old", "old", "new", "new", "old"]
+    run = {"engine_tokens_computed": 10, "plan": ["text"], "tokens_digest": "d"}
+    samples = {"old": {"text": [{**run, "wall_s": w} for w in (10.0, 11.0, 12.0)]},
+               "new": {"text": [{**run, "wall_s": w} for w in (12.0, 13.0, 90.0)]}}
+    row = summarize(samples, ["text"], 0.05)["text"]
+    assert row["ratio"] == pytest.approx(13 / 11) and not row["within_tolerance"] and row["same_tokens"]
+    samples["new"]["text"] = [{**run, "wall_s": 11.0}, {**run, "wall_s": 11.4, "tokens_digest": "other"},
+                              {**run, "wall_s": 90.0}]
+    row = summarize(samples, ["text"], 0.05)["text"]
+    assert row["within_tolerance"] and not row["same_tokens"]
+    with pytest.raises(SystemExit, match="not a commit"):
+        resolve_revision("no-such-revision-anywhere")

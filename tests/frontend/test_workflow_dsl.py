@@ -62,6 +62,23 @@ def test_yaml_round_trip_with_forward_references():
     assert wf.nodes["planner"].max_tokens == 16
 
 
+def test_save_workflow_writes_a_yaml_that_loads_as_the_same_workflow(tmp_path):
+    """Every setting that differs from its default, KV operator options and a conversation history
+    survive the trip through YAML; the shipped review (contexts from files) does too."""
+    from configs import CONFIG_DIR
+
+    wf = af.Workflow("all-settings")
+    guide, notes = wf.context("guide", "A style guide: ünïcode kept."), wf.context("notes", "Notes.")
+    both = wf.kv_op("both", "compose", guide, notes, mode="blend", r=0.3)
+    a = wf.agent("a", "m", [both, "Plan it."], system="Be brief.", max_tokens=7, temperature=0.5, top_p=0.9, seed=3,
+                 strategy="stream", ignore_eos=True, history=[("user", "Hi."), ("assistant", "Hello.")])
+    wf.agent("b", "m", [guide, a, "Write it."], unordered=True)
+    wf.kv_op("drop", "evict", guide)
+    for original in (wf, af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")):
+        loaded = af.load_workflow(af.save_workflow(original, tmp_path / f"{original.name}.yaml"))
+        assert loaded.name == original.name and loaded.nodes == original.nodes
+
+
 def test_yaml_kv_operator_nodes_expand_into_the_prompt():
     wf = workflow_from_dict({
         "contexts": {"guide": "A style guide."},
