@@ -167,15 +167,16 @@ def test_workflows_repeat_order_is_balanced(n):
     assert repeat_order(sides, n) == orders[0]
 
 
-def test_regression_blocks_alternate_and_name_what_is_over_the_tolerance():
-    from benchmarks.regression_ab import block_sides, resolve_revision, summarize
+def test_regression_sides_take_turns_and_name_what_is_over_the_tolerance():
+    from benchmarks.regression_ab import resolve_revision, run_order, summarize
 
-    assert block_sides(6) == ["new", "old", "old", "new", "new", "old"]
+    assert [run_order(r) for r in range(3)] == [("old", "new"), ("new", "old"), ("old", "new")]
     run = {"engine_tokens_computed": 10, "plan": ["text"], "tokens_digest": "d"}
     samples = {"old": {"text": [{**run, "wall_s": w} for w in (10.0, 11.0, 12.0)]},
                "new": {"text": [{**run, "wall_s": w} for w in (12.0, 13.0, 90.0)]}}
     row = summarize(samples, ["text"], 0.05)["text"]
     assert row["ratio"] == pytest.approx(13 / 11) and not row["within_tolerance"] and row["same_tokens"]
+    assert row["paired_ratio_median"] == pytest.approx(12 / 10)  # of 12/10, 13/11, 90/12
     samples["new"]["text"] = [{**run, "wall_s": 11.0}, {**run, "wall_s": 11.4, "tokens_digest": "other"},
                               {**run, "wall_s": 90.0}]
     row = summarize(samples, ["text"], 0.05)["text"]
