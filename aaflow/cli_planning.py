@@ -82,9 +82,10 @@ def _breakeven(args) -> int:
 def _calibrate(args) -> int:
     name = args.name or default_profile_name()
     out = Path(args.out) if args.out else hardware_dir() / f"{name}.yaml"
+    base = load_hardware(str(out)) if out.is_file() else None  # its entries for other models (dtypes, threads) stay
     cluster = af.init(replicas={args.model: args.replicas}, dtype=args.dtype)
     try:
-        af.calibrate(cluster, name=name, quick=not args.full, out=out)
+        af.calibrate(cluster, name=name, quick=not args.full, out=out, base=base)
     finally:
         cluster.shutdown()
     return 0
@@ -116,6 +117,7 @@ def add_planning_commands(sub) -> None:
     calibrate.add_argument("--replicas", type=int, default=2, help="two or more also measure the links")
     calibrate.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     calibrate.add_argument("--name", default=None, help="profile name (default local-<hostname>)")
-    calibrate.add_argument("--out", default=None, help="YAML path (default configs/hardware/<name>.yaml)")
+    calibrate.add_argument("--out", default=None, help="YAML path (default configs/hardware/<name>.yaml); a profile "
+                                                        "there keeps its entries for models (dtypes, threads) not measured now")
     calibrate.add_argument("--full", action="store_true", help="a longer grid (several minutes)")
     calibrate.set_defaults(func=_calibrate)
