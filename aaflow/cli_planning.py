@@ -117,7 +117,8 @@ def add_planning_commands(sub) -> None:
     calibrate.add_argument("--replicas", type=int, default=2, help="two or more also measure the links")
     calibrate.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     calibrate.add_argument("--name", default=None, help="profile name (default local-<hostname>)")
-    calibrate.add_argument("--out", default=None, help="YAML path (default configs/hardware/<name>.yaml); a profile "
-                                                        "there keeps its entries for models (dtypes, threads) not measured now")
+    calibrate.add_argument("--out", default=None,
+                           help="YAML path (default configs/hardware/<name>.yaml); a profile there keeps its entries "
+                                "for models (dtypes, threads) not measured now")
     calibrate.add_argument("--full", action="store_true", help="a longer grid (several minutes)")
     calibrate.set_defaults(func=_calibrate)

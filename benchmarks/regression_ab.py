@@ -85,6 +85,7 @@ class Side:
                                                            if p),
                "TORCH_EXTENSIONS_DIR": str(work / f"kernels_{name}"),
                "TMPDIR": str(work / f"tmp_{name}")}  # its own Ray session folder: its own local cluster
+        env.pop("RAY_ADDRESS", None)  # never a cluster of the caller's: the two sides would share it
         self.name = name
         self.proc = subprocess.Popen([sys.executable, str(SIDE_RUNNER), str(spec_path)], cwd=checkout, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -155,7 +156,7 @@ def run(args) -> dict:
             f"same tokens: {row['same_tokens']}")
     report = {"benchmark": "regression", "machine": machine_facts(), "workflow": wf.name,
               "old_code": commits["old"], "new_code": commits["new"],
-              "order": "interleaved: in each repeat both sides run each strategy back to back, old first in even repeats",
+              "order": "interleaved: each repeat runs each strategy on both sides back to back, old first in even ones",
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "rows": rows,
               "samples": samples}
     write_json(args.out, report)
