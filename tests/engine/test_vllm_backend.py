@@ -150,6 +150,15 @@ def _split_prompt(engine):
     return ids, len(engine.encode(engine.chat_prompt(doc))) - 8  # a prefix that ends inside the context
 
 
+def _builtin_prefix_kv(engine, ids: list[int], k: int):
+    """The built-in engine's exported KV of `ids[:k]` (its sequence freed again)."""
+    s = engine.new_sequence()
+    engine.prefill(s, ids[:k])
+    export = engine.export_kv(s)
+    engine.free(s)
+    return export
+
+
 def test_materialize_on_vllm_continue_on_builtin(vllm_engine, builtin_engine):
     from aaflow.engine import SamplingParams
 
@@ -157,10 +166,7 @@ def test_materialize_on_vllm_continue_on_builtin(vllm_engine, builtin_engine):
     export = vllm_engine.export_kv(ids[:k])
     assert export.fingerprint == builtin_engine.fingerprint and export.kv.dtype == torch.bfloat16
     # the KV itself: per-layer relative error against the built-in engine's own KV (bf16 kernels differ)
-    s = builtin_engine.new_sequence()
-    builtin_engine.prefill(s, ids[:k])
-    ref = builtin_engine.export_kv(s).kv.float()
-    builtin_engine.free(s)
+    ref = _builtin_prefix_kv(builtin_engine, ids, k).kv.float()
     rel = [((export.kv[l].float() - ref[l]).norm() / ref[l].norm()).item() for l in range(ref.shape[0])]
     print(f"vLLM vs built-in KV, relative error per layer: first {rel[0]:.4f}, max {max(rel):.4f}")
     assert rel[0] < 0.01 and max(rel) < 0.1, rel
@@ -173,10 +179,7 @@ def test_materialize_on_vllm_continue_on_builtin(vllm_engine, builtin_engine):
 
 def test_builtin_export_loaded_into_vllm(vllm_engine, builtin_engine):
     ids, k = _split_prompt(builtin_engine)
-    s = builtin_engine.new_sequence()
-    builtin_engine.prefill(s, ids[:k])
-    export = builtin_engine.export_kv(s)
-    builtin_engine.free(s)
+    export = _builtin_prefix_kv(builtin_engine, ids, k)
     vllm_engine.reset_prefix_cache()
     loaded = vllm_engine.generate(ids, max_new_tokens=24, kv=export)
     assert loaded.num_reused_tokens >= k, f"vLLM reports {loaded.num_reused_tokens} cached prompt tokens, want >= {k}"
@@ -194,10 +197,7 @@ def test_builtin_export_loaded_into_vllm(vllm_engine, builtin_engine):
 
 def test_vllm_refuses_foreign_kv_before_loading(vllm_engine, builtin_engine):
     ids, k = _split_prompt(builtin_engine)
-    s = builtin_engine.new_sequence()
-    builtin_engine.prefill(s, ids[:k])
-    export = builtin_engine.export_kv(s)
-    builtin_engine.free(s)
+    export = _builtin_prefix_kv(builtin_engine, ids, k)
     with pytest.raises(KVImportError, match="computed by model"):
         vllm_engine.generate(ids, kv=replace(export, fingerprint="0" * 64))
     with pytest.raises(KVImportError, match="dtype"):
@@ -235,10 +235,7 @@ def test_step_request_loads_staged_kv(vllm_engine, builtin_engine):
     from aaflow.engine import SamplingParams
 
     ids, k = _split_prompt(builtin_engine)
-    s = builtin_engine.new_sequence()
-    builtin_engine.prefill(s, ids[:k])
-    export = builtin_engine.export_kv(s)
-    builtin_engine.free(s)
+    export = _builtin_prefix_kv(builtin_engine, ids, k)
     vllm_engine.reset_prefix_cache()
     path = vllm_engine.stage_kv(export, ids)
     try:
