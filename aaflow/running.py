@@ -57,13 +57,13 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
     Callbacks run on the loop's thread (on a deployment: on a thread of this process): keep them short.
     """
     _check_arguments(workflow, cluster, strategy)
-    if keep_prefix_s is not None and not (isinstance(keep_prefix_s, (int, float)) and 0 <= keep_prefix_s < float("inf")):
+    finite = isinstance(keep_prefix_s, (int, float)) and 0 <= keep_prefix_s < float("inf")
+    if keep_prefix_s is not None and not finite:
         raise InvalidArgumentError(f"keep_prefix_s must be a finite number of seconds >= 0, got {keep_prefix_s!r}")
     options = dict(chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s, transport=transport, plan=plan,
                    lend_cores=lend_cores, timeout_s=timeout_s, keep_prefix_s=keep_prefix_s)
     remote = getattr(cluster, "scheduler", None)
     if remote is not None:  # a deployment's loop, in its actor
-
         return RemoteRunHandle.start(remote, workflow, strategy, on_token, on_agent, options)
     return start_here(workflow, cluster, strategy, on_token=on_token, on_agent=on_agent, **options)
 
