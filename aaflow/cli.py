@@ -38,6 +38,7 @@ BENCHMARKS = {
     "workflows": "benchmarks.workflows_bench",
     "load": "benchmarks.load_bench",
     "serve": "benchmarks.serve_bench",
+    "serve-trace": "benchmarks.serve_trace",
     "endpoint": "benchmarks.endpoint_bench",
     "chaos": "benchmarks.chaos_bench",
     "overlap-bound": "benchmarks.overlap_bound",

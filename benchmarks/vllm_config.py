@@ -81,6 +81,8 @@ class Counters(StatLoggerBase):
     queried / hit (new requests; a preempted request's second lookup counted apart)."""
     totals = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
               "preempted_prefix_cache_queries": 0, "preempted_prefix_cache_hits": 0}
+    iterations = None  # a list while a load is traced: per engine step (time, running, waiting,
+                       # tokens generated, prompt tokens computed by prefills that ended)
 
     def __init__(self, vllm_config, engine_index=0):
         pass
@@ -89,6 +91,12 @@ class Counters(StatLoggerBase):
         t = Counters.totals
         if iteration_stats is not None:
             t["preemptions"] += iteration_stats.num_preempted_reqs
+            if Counters.iterations is not None:
+                Counters.iterations.append((
+                    iteration_stats.iteration_timestamp,
+                    scheduler_stats.num_running_reqs if scheduler_stats is not None else None,
+                    scheduler_stats.num_waiting_reqs if scheduler_stats is not None else None,
+                    iteration_stats.num_generation_tokens, iteration_stats.prompt_token_stats.computed))
         if scheduler_stats is not None:
             p = scheduler_stats.prefix_cache_stats
             t["prefix_cache_queries"] += p.queries

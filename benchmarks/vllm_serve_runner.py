@@ -93,12 +93,16 @@ async def serve():
         request, load = json.loads(line), load + 1
         await llm.reset_prefix_cache()
         arrivals = request["arrivals_s"] or [0.0] * len(request["workflows"])
-        before, t0 = dict(Counters.totals), time.perf_counter()
+        Counters.iterations = [] if request.get("trace") else None
+        before, t0, began = dict(Counters.totals), time.perf_counter(), time.time()
         done = await asyncio.gather(*(
             run_workflow(llm, tokenizer, i, agents, arrival, request["ignore_eos"], load, t0)
             for i, (agents, arrival) in enumerate(zip(request["workflows"], arrivals))))
         await asyncio.sleep(0.2)  # the last iteration's stats reach the loggers after its outputs
-        print("VLLM_RESULT " + json.dumps({"workflows": done, "counters": Counters.since(before)}), flush=True)
+        answer = {"workflows": done, "counters": Counters.since(before)}
+        if Counters.iterations is not None:
+            answer["iterations"] = [(t - began, *rest) for t, *rest in Counters.iterations]
+        print("VLLM_RESULT " + json.dumps(answer), flush=True)
     llm.shutdown()
 
 if __name__ == "__main__":
@@ -125,20 +129,22 @@ class VllmServeRunner(VllmSubprocess):
         self.facts: dict = json.loads(self._answer("VLLM_READY "))
 
     def run_load(self, workflows: list[list[dict]], arrivals_s: list[float] | None = None,
-                 ignore_eos: bool = True) -> dict:
+                 ignore_eos: bool = True, trace: bool = False) -> dict:
         """Serve `workflows` (each a list of agent specs in topological order, `{"name", "max_tokens",
         "system", "prompt": [str | {"ref": agent of the same workflow}]}`), workflow i arriving
         `arrivals_s[i]` seconds after the load's start (None: all at once), prefix cache cleared
         first. Answers per workflow its arrival, submit, end and latency seconds and its agents'
         figures (start/end/ttft seconds, tokens, text, token ids, prompt and cached tokens), the
-        load's totals (see `summarize`), vLLM's counters over the load and the engine's `facts`."""
+        load's totals (see `summarize`), vLLM's counters over the load and the engine's `facts`;
+        with `trace`, also `iterations`: per engine step (seconds from the load's start, requests
+        running, waiting, tokens generated, prompt tokens computed by the prefills that ended)."""
         if arrivals_s is not None and len(arrivals_s) != len(workflows):
             raise ValueError(f"{len(arrivals_s)} arrivals for {len(workflows)} workflows")
-        self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos})
+        self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos, "trace": trace})
         answer = json.loads(self._answer("VLLM_RESULT "))
         done = answer["workflows"]
         return {"config": self.config.label, "engine": self.facts, "vllm_counters": answer["counters"],
-                "workflows": done, **summarize(done)}
+                "workflows": done, **summarize(done), **({"iterations": answer["iterations"]} if trace else {})}
 
 
 def summarize(done: list[dict]) -> dict:

@@ -25,12 +25,14 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 
 from ray.util.metrics import Counter, Gauge
 
 REFRESH_S = 0.25
 RESEND_S = 1.0
-_QUIET = frozenset({"usage", "info", "stats"})  # read-only calls: not counted as busy time
+_QUIET = frozenset({"usage", "info", "stats", "call_log"})  # read-only calls: not counted as busy time
+CALLS_LOGGED = 200_000  # the last calls `call_log` can answer for (a few MB)
 
 
 def observed(cls: type) -> type:
@@ -47,7 +49,13 @@ def observed(cls: type) -> type:
         """What this replica holds and did (`UsageMeter.usage`); refreshes its Ray metrics."""
         return self.meter.usage()
 
-    return type(cls.__name__, (cls,), {**wrapped, "__init__": __init__, "usage": usage,
+    def call_log(self, since: float = 0.0) -> list[tuple[str, float, float, int]]:
+        """The calls this replica ran that started at or after `since` (`time.time()`), oldest
+        first, as (method, start time.time(), seconds, prompt tokens computed): the replica's side
+        of a call trace."""
+        return [entry for entry in self.meter.log if entry[1] >= since]
+
+    return type(cls.__name__, (cls,), {**wrapped, "__init__": __init__, "usage": usage, "call_log": call_log,
                                        "__module__": cls.__module__, "__doc__": cls.__doc__})
 
 
@@ -58,14 +66,14 @@ def _timed(method):
         if meter.in_call:  # a call made by another call (or by `usage`): not timed again
             return method(self, *args, **kwargs)
         meter.in_call = True
-        start, result = time.perf_counter(), None
+        start, began, result = time.perf_counter(), time.time(), None
         try:
             meter.before_call()
             result = method(self, *args, **kwargs)
             return result
         finally:
             try:
-                meter.after_call(method.__name__, time.perf_counter() - start, result)
+                meter.after_call(method.__name__, began, time.perf_counter() - start, result)
             finally:
                 meter.in_call = False
 
@@ -119,6 +127,8 @@ class UsageMeter:
         self.busy_s, self.calls, self.moved, self.computed, self.reused, self.refreshed = 0.0, 0, 0, 0, 0, 0.0
         self.block_bytes: int | None = None  # read from `info()` on first use
         self.metrics: _Metrics | None = None
+        self.log: deque[tuple[str, float, float, int]] = deque(maxlen=CALLS_LOGGED)  # see `call_log`
+        self.computed_before = 0  # the engine's tokens computed when the running call began
 
     def _started(self) -> None:
         if self.block_bytes is not None:
@@ -135,10 +145,17 @@ class UsageMeter:
         """Release pins whose TTL ran out (`KVHost.release_expired`) before a call starts."""
         if self.host is not None:
             self.host.release_expired()
+        self.computed_before = self._computed()
 
-    def after_call(self, method: str, seconds: float, result) -> None:
-        """Count a call that took `seconds` (and the bytes a `receive` moved)."""
+    def _computed(self) -> int:
+        engine = getattr(self.replica, "engine", None)
+        return engine.stats().tokens_computed if hasattr(engine, "stats") else 0
+
+    def after_call(self, method: str, began: float, seconds: float, result) -> None:
+        """Count a call that began at `began` (`time.time()`) and took `seconds` (and the bytes a
+        `receive` moved)."""
         self._started()
+        self.log.append((method, began, seconds, self._computed() - self.computed_before))
         self.busy_s += seconds
         self.calls += 1
         moved = getattr(result[1], "nbytes", 0) if method == "receive" and isinstance(result, tuple) else 0

@@ -90,16 +90,14 @@ class RayBackend(Backend):
         return True
 
 
-def service_for(cluster, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
-                lend_cores: bool = True) -> RunService:
-    """The scheduling loop of `cluster` for these options (made on first use; one per distinct set
-    of options, so every run with the defaults shares one loop). `cluster.shutdown()` stops it."""
-    key = (max(1, chunk_tokens), call_timeout_s, transport, lend_cores)
+def service_for(cluster) -> RunService:
+    """The scheduling loop of `cluster` (made on first use): one per cluster, whatever the options
+    of the runs it serves (`RunOptions` travel with each run). `cluster.shutdown()` stops it."""
     with _SERVICES_LOCK:
         services = cluster.__dict__.setdefault("_run_services", {})
-        if key not in services:
-            services[key] = RunService(RayBackend(cluster), *key)
-        return services[key]
+        if "loop" not in services:
+            services["loop"] = RunService(RayBackend(cluster))
+        return services["loop"]
 
 
 _SERVICES_LOCK = threading.Lock()

@@ -12,6 +12,7 @@ from aaflow.runtime.executor import workflow_agents
 from aaflow.runtime.kvops import check_replicas
 from aaflow.runtime.prompt_setup import check_sizes, prompt_builders
 from aaflow.runtime.run_handle import RunHandle
+from aaflow.runtime.run_options import RunOptions
 from cluster.ray_backend import service_for
 
 
@@ -37,6 +38,7 @@ def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout
     if decisions:
         events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
     agents = workflow_agents(workflow, builders, strategy, decisions)
-    service = service_for(cluster, chunk_tokens, call_timeout_s, transport, lend_cores)
-    return service.submit(workflow, agents, builders, eos, strategy, events, on_token=on_token, on_agent=on_agent,
-                          timeout_s=timeout_s, planning_s=planning_s, called=called, keep_prefix_s=keep_prefix_s)
+    options = RunOptions(chunk_tokens, call_timeout_s, transport, lend_cores)
+    return service_for(cluster).submit(workflow, agents, builders, eos, strategy, events, on_token=on_token,
+                                       on_agent=on_agent, timeout_s=timeout_s, planning_s=planning_s, called=called,
+                                       keep_prefix_s=keep_prefix_s, options=options)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from aaflow.runtime.kvops import KVDirective
+from aaflow.runtime.run_options import RunOptions
 from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
 from aaflow.runtime.prefix_key import PrefixIds, PrefixKey
 from aaflow.runtime.results import AgentResult
@@ -46,6 +47,7 @@ class AgentState:
     evicts_prefix: bool = False  # its prefix holds a context an evict node names
     prefix_parts: tuple[int, ...] = ()  # with an approximate compose: the lengths of the contexts composed
     planned: bool = False  # its strategy is the planner's: a prefix it shares may be computed rather than moved
+    options: RunOptions | None = None  # its run's options on a shared loop (None: the scheduler's own)
     result: AgentResult = None
     replica: str | None = None
     sid: str = ""

@@ -35,11 +35,13 @@ class CallQueues:
     """Owns the per-replica queues and the calls in flight; launches what may run. It reads the
     scheduler's `state`; the tokens of the decode steps it starts go to `decoded(agents, each
     agent's tokens, each step's end in seconds into the call)`; `waiting_for_prefix()` names (ids)
-    the agents waiting for a shared prefix to arrive."""
+    the agents waiting for a shared prefix to arrive; `lends(sessions)`: whether the runs of those
+    sessions let a long prefill of theirs borrow idle replicas' threads."""
 
     def __init__(self, state: SchedulerState, lend_cores: bool, decoded: Decoded,
-                 waiting_for_prefix: Callable[[], set[int]] = set) -> None:
-        self.state, self.backend, self.lend_cores = state, state.backend, lend_cores
+                 waiting_for_prefix: Callable[[], set[int]] = set,
+                 lends: Callable[[list[str]], bool] = lambda sessions: True) -> None:
+        self.state, self.backend, self.lend_cores, self.lends = state, state.backend, lend_cores, lends
         self.decoded, self.waiting_for_prefix = decoded, waiting_for_prefix
         self.replicas = {r.name: r for r in state.replicas}
         self.queues: dict[str, deque[Queued]] = {name: deque() for name in self.replicas}
@@ -91,8 +93,7 @@ class CallQueues:
                 call = MixedCall([a.sid for a in decoding], pack.requests)
                 self._start(name, call, lambda out, ds=decoding, c=call, a=answer: self._on_mixed(ds, c.sids, a, out))
             elif decoding and (not queue or not self.last_kind.get(name, CallKind.OPEN).steps):
-                only = len(self.replicas) - len(dead) == 1
-                steps = 1 if queue else steps_per_call(decoding, self.state.streaming_readers, only)
+                steps = 1 if queue else steps_per_call(decoding, self.state.streaming_readers)
                 self._step(name, decoding, steps)
             elif queue:
                 call, then = self._pack(name) if queue[0][0].kind is CallKind.PREFILL else queue.popleft()
@@ -146,7 +147,7 @@ class CallQueues:
     def _lend(self, name: str, call: Call) -> Call:
         """A long prefill borrows the threads of the idle replicas of its node."""
         tokens = call.tokens if self.lend_cores and call.kind.prefills else 0
-        if tokens < LEND_MIN_TOKENS:
+        if tokens < LEND_MIN_TOKENS or not self.lends(call.sessions):
             return call
         info = {r.name: {"node": r.node, "threads": r.threads} for r in self.replicas.values()}
         lent = lent_threads(self.replicas[name], list(self.replicas.values()), info, self._idle_replicas())

@@ -129,7 +129,8 @@ class AgentLifecycle:
         if not agent.streams and not self.inputs_done(agent):
             return
         pieces, count, complete, streamed = feedable(self.state.agents, agent)
-        if not complete and (not count or (agent.fed > 0 and count < self.chunk_tokens)):
+        chunk = agent.options.chunk_tokens if agent.options else self.chunk_tokens
+        if not complete and (not count or (agent.fed > 0 and count < chunk)):
             return  # wait for a full chunk (the static part goes at once)
         ids: list[int] = []
         for tokens, start in pieces:

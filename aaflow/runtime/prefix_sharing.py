@@ -43,9 +43,12 @@ class PrefixSharing:
         self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
         self.fidelity: dict[PrefixKey, object] = {}  # prefix -> FidelityReport of a composed prefix
 
-    @property
-    def transport(self) -> str:
-        """The transport prefixes move over: the run's, else the backend's default (asked once)."""
+    def transport(self, waiting: list[AgentState] | None = None) -> str:
+        """The transport a prefix moves over: its first waiting agent's run's, else the scheduler's,
+        else the backend's default (asked once)."""
+        for agent in waiting or ():
+            if agent.options is not None and agent.options.transport is not None:
+                return agent.options.transport
         if self._transport is None:
             self._transport = self.state.backend.default_transport()
         return self._transport
@@ -145,7 +148,8 @@ class PrefixSharing:
             self.transferring.pop(key, None)
             self._ready(prefix, dest, answer[0].id, answer[1].nbytes, received=True)
 
-        self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport, received)
+        self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport(self.waiters.get(key)),
+                                            received)
 
     def _count(self, prefix: PrefixKey, rname: str, tokens: int) -> None:
         """`tokens` were computed to make `prefix` on `rname`; its first waiter's run counts them."""

@@ -3,7 +3,9 @@
 An agent's prompt is a list of segments: token-id lists known before the run (chat header,
 system prompt, contexts, literal strings) and references to upstream agents, whose segment is
 the upstream's generated token ids (an end-of-sequence token removed). Parts are joined by a
-blank line; the chat template's user/assistant framing wraps them.
+blank line; the chat template's user/assistant framing wraps them. A `rendered` agent's parts
+are its whole prompt already: joined as they are, with no framing (`PromptBuilder.chat` gives a
+chat turn's ids so, as the model's tokenizer gives them for the whole rendered text).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class PromptBuilder:
         self._memo: dict[str, tuple[int, ...]] = {}  # a context read by many agents is tokenized once
         self._frames: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.separator = self.ids("\n\n")
+        self.vocab_size = len(tokenizer)  # ids a token-id context may hold
 
     def ids(self, text: str) -> tuple[int, ...]:
         """The token ids of `text` (no special tokens), each text tokenized once per builder."""
@@ -61,37 +64,48 @@ class PromptBuilder:
         return self._frames[key]
 
     def _frame(self, system: str | None, history: tuple[tuple[str, str], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": role, "content": content} for role, content in history] + [
-            {"role": "user", "content": _PLACEHOLDER}]
         with self._lock:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(_messages(system, history, _PLACEHOLDER), tokenize=False,
+                                                      add_generation_prompt=True)
         head, tail = text.split(_PLACEHOLDER)
         return self.ids(head), self.ids(tail)
 
+    def chat(self, system: str | None, history: tuple[tuple[str, str], ...], user: str) -> tuple[tuple[int, ...], int]:
+        """A chat turn's prompt as the model's tokenizer gives it whole, and its header's length.
+
+        The ids are `apply_chat_template(messages, tokenize=True, add_generation_prompt=True)`'s:
+        the template rendered, then tokenized as one text (as vLLM's chat endpoint does). The
+        header is as many leading ids as the template's text before the user message tokenizes
+        to alone, as far as they agree with the whole (the user message's first characters may
+        merge with the header's last token)."""
+        with self._lock:
+            ids = tuple(self.tokenizer.apply_chat_template(_messages(system, history, user), tokenize=True,
+                                                           add_generation_prompt=True, return_dict=True)["input_ids"])
+        head, _ = self.frame(system, history)
+        header = next((i for i, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
+        return ids, header
+
     def segments(self, wf: Workflow, agent: AgentNode) -> list[Segment]:
         """The agent's prompt as segments. The first is the shareable prefix: the chat header and
-        the leading contexts, which other agents may share; adjacent known segments after it merge."""
-        head, tail = self.frame(agent.system, agent.history)
+        the leading contexts (for a `rendered` agent, its leading contexts short of its last part),
+        which other agents may share; adjacent known segments after it merge."""
+        leaves = prompt_leaves(wf, agent)
+        shared = _shared_leaves(agent, leaves)
+        head, tail = ((), ()) if agent.rendered else self.frame(agent.system, agent.history)
+        separator = () if agent.rendered else self.separator
         out: list[Segment] = [head]
-        shared = True
-        for i, part in enumerate(prompt_leaves(wf, agent)):
-            is_context = isinstance(part, ContextNode)
-            shared = shared and is_context
-            if shared:
-                out[0] = out[0] + (self.separator if i else ()) + self.ids(part.text)
+        for i, part in enumerate(leaves):
+            if i < shared:
+                out[0] = out[0] + (separator if i else ()) + self._known(part)
                 continue
             if i:
-                out.append(self.separator)
-            if isinstance(part, str):
-                out.append(self.ids(part))
-            elif is_context:
-                out.append(self.ids(part.text))
-            else:
-                out.append(AgentInput(part.name))
+                out.append(separator)
+            out.append(AgentInput(part.name) if isinstance(part, AgentNode) else self._known(part))
         out.append(tail)
         merged: list[Segment] = [out[0]]
         for seg in out[1:]:
+            if seg == ():
+                continue
             if len(merged) > 1 and isinstance(seg, tuple) and isinstance(merged[-1], tuple):
                 merged[-1] = merged[-1] + seg
             else:
@@ -101,13 +115,35 @@ class PromptBuilder:
     def prefix_part_lengths(self, wf: Workflow, agent: AgentNode) -> list[int]:
         """How the static prefix splits into its contexts (as `segments` joins them): the chat
         header with the first context, then each further context with the separator before it."""
-        head, _ = self.frame(agent.system, agent.history)
-        lengths: list[int] = []
-        for i, part in enumerate(prompt_leaves(wf, agent)):
-            if not isinstance(part, ContextNode):
-                break
-            lengths.append((len(head) if i == 0 else len(self.separator)) + len(self.ids(part.text)))
-        return lengths
+        leaves = prompt_leaves(wf, agent)
+        head = () if agent.rendered else self.frame(agent.system, agent.history)[0]
+        separator = () if agent.rendered else self.separator
+        return [(len(separator) if i else len(head)) + len(self._known(part))
+                for i, part in enumerate(leaves[:_shared_leaves(agent, leaves)])]
+
+    def _known(self, part: Union[str, ContextNode]) -> tuple[int, ...]:
+        """The ids of a literal string or a context; `WorkflowError` for a token id the tokenizer lacks."""
+        if isinstance(part, str):
+            return self.ids(part)
+        if part.token_ids is None:
+            return self.ids(part.text)
+        if max(part.token_ids) >= self.vocab_size:
+            raise WorkflowError(f"context {part.name!r}: token id {max(part.token_ids)} is not in the model's "
+                                f"tokenizer, whose ids run up to {self.vocab_size - 1}")
+        return part.token_ids
+
+
+def _messages(system: str | None, history: tuple[tuple[str, str], ...], user: str) -> list[dict]:
+    """A chat turn as chat-template messages: the system prompt if any, earlier turns, the user message."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": role, "content": content} for role, content in history] + [{"role": "user", "content": user}]
+
+
+def _shared_leaves(agent: AgentNode, leaves: list) -> int:
+    """How many of the agent's leading prompt parts make its static prefix: its leading contexts,
+    short of its last part for a `rendered` agent (its prompt has no chat tail after them)."""
+    count = next((i for i, leaf in enumerate(leaves) if not isinstance(leaf, ContextNode)), len(leaves))
+    return min(count, len(leaves) - 1) if agent.rendered else count
 
 
 def prompt_leaves(wf: Workflow, agent: AgentNode) -> list[Union[str, ContextNode, AgentNode]]:

@@ -41,7 +41,7 @@ class Scheduler(AgentLifecycle):
         self.run_id = uuid.uuid4().hex[:12]  # session names are unique across concurrent runs on shared replicas
         self.unfinished = 0
         self.placement = Placement()
-        self.queues = CallQueues(st, lend_cores, self.on_steps, lambda: self.prefixes.waiting_agents())
+        self.queues = CallQueues(st, lend_cores, self.on_steps, lambda: self.prefixes.waiting_agents(), self._lends)
         self.admission = Admission(self.state.replicas, self.state.agents, self.state.dead,
                                    lambda key, replica: self.prefixes.resident(key, replica))
         self.prefixes = PrefixSharing(st, self.queues, transport, self.opened)
@@ -55,6 +55,11 @@ class Scheduler(AgentLifecycle):
             self.state.readers[a.name] = [self.state.agents[c] for c in a.consumers]
             self.state.streaming_readers[a.name] = [c for c in self.state.readers[a.name] if c.streams]
         self.unfinished += len(agents)
+
+    def _lends(self, sessions: list[str]) -> bool:
+        """Whether every run of `sessions` lets its long prefills borrow idle replicas' threads."""
+        wanted = set(sessions)
+        return all(a.options.lend_cores for a in self.state.agents.values() if a.options and a.sid in wanted)
 
     def add(self, agents: dict[str, AgentState]) -> None:
         """Agents of another run join the running scheduler: they are placed, batched and admitted

@@ -9,8 +9,13 @@ and shared prefixes serve a document many runs read (a shared prefix is freed on
 of any run reads it). Agents are named `<run>/<agent>` inside the loop; results keep the
 workflow's names and count times from the run's arrival.
 
+Each run brings its own options (`RunOptions`: chunk size, call time limit, transport, core
+lending), carried by its agents: a cluster has this one loop whatever its runs ask for, so runs with
+different options still share one KV reservation and one decode batch.
+
 A run that fails (one of its agents failed), is cancelled or passes its `timeout_s` ends alone
-(`Scheduler.drop`): its sessions close, its queued work goes, the other runs go on.
+(`Scheduler.drop`): its sessions close, its queued work goes, the other runs go on. A replica call
+that outlasts a run's `call_timeout_s` fails the runs whose agents wait on that replica.
 Replica deaths and KV shortages are handled as in a single run (`Recovery`).
 """
 
@@ -27,6 +32,7 @@ from aaflow.runtime.calls import CloseCall
 from aaflow.runtime.executor import collect
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
+from aaflow.runtime.run_options import RunOptions
 from aaflow.runtime.scheduler import Scheduler
 from aaflow.runtime.service_run import ServiceRun
 
@@ -36,13 +42,9 @@ TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at
 class RunService:
     """The scheduling loop of a cluster: start it once, `submit` runs from any thread."""
 
-    def __init__(self, backend, chunk_tokens: int = 16, call_timeout_s: float = 300.0, transport: str | None = None,
-                 lend_cores: bool = True) -> None:
+    def __init__(self, backend) -> None:
         self.eos: dict[str, set[int]] = {}
-        self.scheduler = Scheduler({}, backend, self.eos, chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s,
-                                   transport=transport, lend_cores=lend_cores, on_token=self._on_token,
-                                   on_done=self._on_done)
-        self.call_timeout_s = call_timeout_s
+        self.scheduler = Scheduler({}, backend, self.eos, on_token=self._on_token, on_done=self._on_done)
         self.runs: dict[str, ServiceRun] = {}
         self._owner: dict[str, ServiceRun] = {}  # loop name of an agent -> its run
         self._inbox: queue.Queue = queue.Queue()
@@ -59,13 +61,17 @@ class RunService:
     def submit(self, workflow, agents: dict[str, AgentState], builders: dict, eos: dict[str, set[int]],
                strategy: str, events: list[str] | None = None, on_token=None, on_agent=None,
                timeout_s: float | None = None, planning_s: float = 0.0, called: float | None = None,
-               keep_prefix_s: float | None = None) -> RunHandle:
+               keep_prefix_s: float | None = None, options: RunOptions | None = None) -> RunHandle:
         """Hand a run's agents (from `executor.workflow_agents`) to the loop; returns at once.
-        `planning_s` and `called` (`time.perf_counter()` when the client called) go to the result."""
+        `options` apply to this run alone. `planning_s` and `called` (`time.perf_counter()` when the
+        client called) go to the result."""
         run_id = f"r{next(self._ids)}"
+        options = options or RunOptions()
+        for agent in agents.values():
+            agent.options = options
         run = ServiceRun(run_id, workflow, namespaced(agents, run_id + "/"), builders, strategy, list(events or []),
-                   on_token, on_agent, timeout_s, planning_s=planning_s, keep_prefix_s=keep_prefix_s,
-                   called=time.perf_counter() if called is None else called)
+                         on_token, on_agent, timeout_s, planning_s=planning_s, keep_prefix_s=keep_prefix_s,
+                         called=time.perf_counter() if called is None else called, options=options)
         run.handle = RunHandle(self, run_id)
         with self._closing:
             if self._stopped:
@@ -146,12 +152,20 @@ class RunService:
         if ready:
             self._progress_s = s.now()
             s.process(ready[0])
-        elif s.now() - self._progress_s > self.call_timeout_s:
-            self._progress_s = s.now()
-            late = {t.replica for t in s.queues.inflight}
-            raise AgentFailedError(f"replicas {sorted(late)} did not answer within {self.call_timeout_s:.0f} s",
-                                   [a.name for a in s.state.agents.values() if a.state != AgentPhase.DONE and a.replica in late])
+        else:
+            self._fail_late_runs(s.now() - self._progress_s)
         self._check_deadlines()
+
+    def _fail_late_runs(self, waited_s: float) -> None:
+        """No call ended for `waited_s`: the runs whose `call_timeout_s` that passes fail, each
+        alone, naming their agents on the replicas that did not answer (the others wait on)."""
+        s = self.scheduler
+        late = {t.replica for t in s.queues.inflight}
+        for run in [r for r in self.runs.values() if not r.ended and waited_s > r.options.call_timeout_s]:
+            stuck = [a.name for a in run.agents.values() if a.state != AgentPhase.DONE and a.replica in late]
+            if stuck:
+                self._fail_agents(AgentFailedError(f"replicas {sorted(late)} did not answer within "
+                                                   f"{run.options.call_timeout_s:.0f} s", stuck))
 
     def _queued(self) -> bool:
         s = self.scheduler

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.results import RunResult
 from aaflow.runtime.run_handle import RunHandle
+from aaflow.runtime.run_options import RunOptions
 
 
 @dataclass(eq=False)
@@ -25,6 +26,7 @@ class ServiceRun:
     planning_s: float = 0.0
     keep_prefix_s: float | None = None  # its shared prefixes are kept this long after it ends
     called: float = 0.0  # perf_counter when the client called
+    options: RunOptions = field(default_factory=RunOptions)  # its own chunk size, call time limit, ...
     handle: RunHandle = None
     start_s: float = 0.0  # loop time when the loop took it
     first_event: int = 0  # the loop's events from here on are its

@@ -21,11 +21,11 @@ DEFAULT_PORT = 8000
 
 
 def serving_app(cluster, default_max_tokens: int | None = None):
-    """The FastAPI app for `cluster` (its models' tokenizers loaded here, to stream text)."""
+    """The FastAPI app for `cluster` (its models' tokenizers loaded here, to tokenize prompts and stream text)."""
     from aaflow.serving.app import DEFAULT_MAX_TOKENS, create_app  # optional: FastAPI (aaflow[serve])
 
     builders, _, _ = prompt_builders(set(cluster.models))
-    return create_app(cluster, {m: b.tokenizer for m, b in builders.items()}, default_max_tokens or DEFAULT_MAX_TOKENS)
+    return create_app(cluster, builders, default_max_tokens or DEFAULT_MAX_TOKENS)
 
 
 def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,

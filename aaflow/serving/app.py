@@ -29,9 +29,10 @@ from aaflow.serving.workflows import HintedWorkflows, RequestRun, request_run
 DEFAULT_MAX_TOKENS = 256
 
 
-def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+def create_app(cluster, builders: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The API for `cluster` (a deployment from `af.connect`, or a local `af.init` cluster);
-    `tokenizers` per served model name (to stream text as tokens arrive)."""
+    `builders` the `PromptBuilder` per served model name (to tokenize prompts, and to stream text
+    as tokens arrive)."""
     app = FastAPI(title="aaflow", description="OpenAI-compatible API of an aaflow deployment")
     hinted, metrics, created = HintedWorkflows(), ServingMetrics(), int(time.time())
 
@@ -83,8 +84,8 @@ def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_
             raise RequestError(f"model {body.model!r} is not served here; GET /v1/models lists "
                                f"{sorted(cluster.models)}", "model", status=404)
         request_id = uuid.uuid4().hex[:16]
-        run = request_run(body.model, system, history, user, sampling_options(body, default_max_tokens),
-                          body.agent_hints, hinted, request_id)
+        run = await run_in_threadpool(request_run, builders[body.model], body.model, system, history, user,
+                                      sampling_options(body, default_max_tokens), body.agent_hints, hinted, request_id)
         reply = _Reply(request_id, body.model, chat, created=int(time.time()))
         began = time.perf_counter()
         loop, tokens = asyncio.get_running_loop(), asyncio.Queue()
@@ -99,7 +100,7 @@ def create_app(cluster, tokenizers: dict, default_max_tokens: int = DEFAULT_MAX_
         return reply.whole(answer, run.max_tokens)
 
     async def _stream(run: RequestRun, body, handle, tokens: asyncio.Queue, reply: "_Reply", began: float):
-        text = IncrementalText(tokenizers[body.model])
+        text = IncrementalText(builders[body.model].tokenizer)
         waiting = asyncio.ensure_future(_ended(handle))
         first = None
         try:

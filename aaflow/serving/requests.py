@@ -1,11 +1,11 @@
 """OpenAI-compatible request bodies, checked, and the one-agent workflow each becomes.
 
 A chat request's messages become one agent: its system prompt, its earlier turns (`history`) and
-its last user message, rendered by the model's chat template as `af.run` renders any agent. A
-completions request's prompt is sent as the user message of a chat without a system prompt
-(aaflow's agents always speak through the chat template). Fields the endpoint does not know are
-ignored, as OpenAI-compatible servers do; fields it knows but cannot honour (`n` > 1, `stop`,
-`logprobs`, tools) are refused with a 400 naming them.
+its last user message, rendered by the model's chat template and tokenized whole, as vLLM does
+(`aaflow.serving.workflows`). A completions request's prompt is sent as the user message of a
+chat without a system prompt (aaflow's agents always speak through the chat template). Fields
+the endpoint does not know are ignored, as OpenAI-compatible servers do; fields it knows but
+cannot honour (`n` > 1, `stop`, `logprobs`, tools) are refused with a 400 naming them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,23 @@
 """Requests as workflows: one agent per request, and what workflow hints add.
 
-Without hints a request is a one-agent workflow under `text`: the replicas' prefix cache and the
-deployment's one loop (continuous batching) serve it, as on a serving engine. Its user message is
-split at blank lines into prompt parts, as the DSL joins them: the same text comes out as the same
-tokens an `af.run` of the workflow it stands for prefills (a blank line is one token there).
+A request's prompt is its chat rendered by the model's chat template and tokenized whole, as vLLM
+tokenizes it (`PromptBuilder.chat`): the same request gives the same prompt token ids, and the
+same `usage.prompt_tokens`, on both. The agent gets those ids as token-id contexts of a `rendered`
+prompt (no chat frame applied again, nothing joined in between): its static prefix, then the rest.
 
-With `agent_hints.workflow_id`, the endpoint remembers the workflow's first request. A later
-request of the same workflow whose user message starts with the same paragraphs (a document its
-agents all read) gets those paragraphs as a context of its own: the agent's static prefix is then
-the chat header and that document, which the scheduler materializes once and forks for every
-agent that reads it, moves to another replica that needs it, keeps while
-agents that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`). Such
-requests run under `transfer` (the planner, seeing a one-agent workflow, would not share a prefix
-with requests it cannot see); the others under `text`.
+Without hints the static prefix is the chat header (up to the user turn's start) and the request
+is a one-agent workflow under `text`: the replicas' prefix cache shares identical token prefixes
+between requests, and the deployment's one loop batches them, as on a serving engine.
+
+With `agent_hints.workflow_id`, the endpoint remembers the prompt ids of the workflow's first
+request (its reference). A later request of the workflow shares the longest token prefix it has in
+common with the reference, short of its own last token, if that reaches `MIN_SHARED_TOKENS`
+beyond the chat header: that prefix is its static prefix, which the scheduler materializes once and
+forks for every agent that reads it, moves to another replica that needs it, keeps while agents
+that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`). The reference is then
+cut to the prefix shared, so that the workflow's later requests share that same prefix (one KV
+object for them all) or a shorter one. Such requests run under `transfer` (the planner, seeing a
+one-agent workflow, would not share a prefix with requests it cannot see); the others under `text`.
 
 `reads` (the agents whose answers the prompt holds) is accepted and not used yet: by the time a
 client sends a reader's request it has the answer as text, so there is nothing left to stream into
@@ -23,19 +28,22 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from dataclasses import dataclass
 
 import aaflow as af
+from aaflow.runtime.prompts import PromptBuilder
 from aaflow.serving.requests import AgentHintsBody, RequestError
+from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 
-PARAGRAPH = "\n\n"  # the DSL joins prompt parts with a blank line: a split there renders the same text
+MIN_SHARED_TOKENS = DEFAULT_BLOCK_TOKENS  # a shared prefix must hold a KV block beyond the chat header
 FORGET_AFTER_S = 600.0  # a hinted workflow not heard from for this long is forgotten
 WORKFLOWS_KEPT = 4096
 
 
 @dataclass
 class _Hinted:
-    lead: list[str]  # the first request's user message, in paragraphs
+    reference: array  # the first request's prompt ids, cut to the prefix shared since
     seen_s: float = 0.0
 
 
@@ -46,22 +54,24 @@ class HintedWorkflows:
         self._workflows: dict[str, _Hinted] = {}
         self._lock = threading.Lock()
 
-    def shared_lead(self, workflow_id: str, user: str) -> str:
-        """The leading paragraphs `user` shares with the workflow's first request ("" when none, or
-        when nothing of its own would follow them); a first request is remembered."""
-        paragraphs = user.split(PARAGRAPH)
+    def shared_prefix(self, workflow_id: str, ids: tuple[int, ...], header: int) -> int:
+        """How many leading `ids` (a request's prompt, `header` of them its chat header) the request
+        shares with its workflow (see the module docstring); 0 for none. A first request is remembered."""
         now = time.monotonic()
         with self._lock:
             self._forget_idle(now)
             known = self._workflows.get(workflow_id)
             if known is None:
-                self._workflows[workflow_id] = _Hinted(paragraphs, seen_s=now)
-                return ""
+                self._workflows[workflow_id] = _Hinted(array("i", ids), seen_s=now)
+                return 0
             known.seen_s = now
-            common = 0
-            while common < min(len(paragraphs) - 1, len(known.lead)) and paragraphs[common] == known.lead[common]:
-                common += 1
-        return PARAGRAPH.join(paragraphs[:common])
+            reference = known.reference
+            limit = min(len(reference), len(ids) - 1)  # something of its own follows the shared prefix
+            common = next((i for i in range(limit) if reference[i] != ids[i]), limit)
+            if common - header < MIN_SHARED_TOKENS:
+                return 0
+            del reference[common:]
+        return common
 
     def _forget_idle(self, now: float) -> None:
         idle = [w for w, k in self._workflows.items() if now - k.seen_s > FORGET_AFTER_S]
@@ -82,28 +92,27 @@ class RequestRun:
     max_tokens: int
 
 
-def request_run(model: str, system: str | None, history: list[tuple[str, str]], user: str, sampling: dict,
-                hints: AgentHintsBody | None, remembered: HintedWorkflows, request_id: str) -> RequestRun:
-    """The workflow that answers one request (see the module docstring)."""
-    agent = "answer"
-    wf = af.Workflow(f"request-{request_id}")
-    paragraphs = user.split(PARAGRAPH)
-    parts: list = paragraphs if all(paragraphs) else [user]  # an empty paragraph has no part of its own
-    strategy, options = "text", {}
+def request_run(builder: PromptBuilder, model: str, system: str | None, history: list[tuple[str, str]], user: str,
+                sampling: dict, hints: AgentHintsBody | None, remembered: HintedWorkflows,
+                request_id: str) -> RequestRun:
+    """The workflow that answers one request (see the module docstring); `builder` is the
+    `PromptBuilder` of the model's tokenizer."""
+    ids, header = builder.chat(system, tuple(history), user)
+    if len(ids) < 2:
+        raise RequestError(f"the chat template renders this request as {len(ids)} token(s); nothing to answer",
+                           "messages")
+    agent, strategy, options, shared = "answer", "text", {}, 0
     if hints is not None and hints.workflow_id:
         agent = hints.agent_id or agent
-        lead = remembered.shared_lead(hints.workflow_id, user)
-        if all(paragraphs) and (lead or len(paragraphs) > 1):
-            # a later request: the shared paragraphs; the first: all but its last (its document, as
-            # far as it can tell), so that its prefix has the readers' identity and placement sends
-            # them where its prefix cache holds it
-            shared = len(lead.split(PARAGRAPH)) if lead else len(paragraphs) - 1
-            parts = [wf.context(f"lead{i}:{agent}", p) for i, p in enumerate(paragraphs[:shared])] + paragraphs[shared:]
-            strategy = "transfer" if lead else "text"
+        shared = remembered.shared_prefix(hints.workflow_id, ids, header)
+        strategy = "transfer" if shared else "text"
         if hints.ttl_s:
             options["keep_prefix_s"] = hints.ttl_s
+    lead = shared or min(max(header, 1), len(ids) - 1)
+    wf = af.Workflow(f"request-{request_id}")
     try:
-        wf.agent(agent, model, parts, system=system, history=history, **sampling)
+        prefix = wf.context(f"{agent}:{'shared' if shared else 'header'}", token_ids=ids[:lead])
+        wf.agent(agent, model, [prefix, wf.context(f"{agent}:turn", token_ids=ids[lead:])], rendered=True, **sampling)
     except af.WorkflowError as exc:
         raise RequestError(str(exc), "messages") from exc
     return RequestRun(wf, agent, strategy, options, sampling["max_tokens"])

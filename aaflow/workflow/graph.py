@@ -6,24 +6,29 @@
     meta = wf.agent("meta", model="smollm2", prompt=[doc, *revs, "Summarize"], max_tokens=64)
 
 Prompt parts are strings, contexts, other agents (their output text), or KV operator nodes.
+A context may be given as token ids (`wf.context("doc", token_ids=ids)`), and an agent marked
+`rendered=True` takes its prompt as already rendered: no chat template, parts joined as they are
+(`aaflow serve` gives each request's whole tokenized chat that way).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from aaflow.errors import WorkflowError
 from aaflow.strategies import STRATEGIES
+from aaflow.workflow.checks import check_agent_settings, check_rendered, check_unicode, checked_history, checked_ids
 
 
 @dataclass(frozen=True)
 class ContextNode:
-    """A static document or instruction every agent that names it reads."""
+    """A static document or instruction every agent that names it reads: its `text`, or its
+    `token_ids` in the model's vocabulary (already tokenized; the other field is None)."""
 
     name: str
-    text: str
+    text: str | None
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,9 @@ class AgentNode:
         ignore_eos: generate exactly max_tokens (benchmarks need equal lengths across strategies).
         history: earlier turns of a conversation, (role, content) pairs with role "user" or
             "assistant", placed after the system prompt and before this turn (static).
+        rendered: the prompt is already rendered (a chat template applied, e.g. token-id contexts
+            of a whole tokenized chat): no chat frame, no system or history, parts joined with no
+            separator; its leading contexts short of its last part are its shareable prefix.
     """
 
     name: str
@@ -65,6 +73,7 @@ class AgentNode:
     strategy: str | None = None
     ignore_eos: bool = False
     history: tuple[tuple[str, str], ...] = ()
+    rendered: bool = False
 
     def inputs(self) -> list[str]:
         return [p.name for p in self.prompt if isinstance(p, Ref)]
@@ -112,27 +121,37 @@ class Workflow:
         self.nodes[node.name] = node
         return Ref(node.name, kind)  # type: ignore[arg-type]
 
-    def context(self, name: str, text: str) -> Ref:
-        """A static context (document, guide, shared instructions)."""
+    def context(self, name: str, text: str | None = None, *, token_ids=None) -> Ref:
+        """A static context (document, guide, shared instructions): its `text`, or its `token_ids`
+        (a non-empty list of ids of the model's tokenizer, read as they are)."""
+        if token_ids is not None:
+            if text is not None:
+                raise WorkflowError(f"context {name!r}: give text or token_ids, not both")
+            return self._add(ContextNode(name, None, checked_ids(name, token_ids)), "context")
         if not isinstance(text, str) or not text:
             raise WorkflowError(f"context {name!r}: text must be a non-empty string, got {text!r:.40}")
-        _check_unicode(f"context {name!r}", text)
+        check_unicode(f"context {name!r}", text)
         return self._add(ContextNode(name, text), "context")
 
     def agent(self, name: str, model: str, prompt: list, system: str | None = None, max_tokens: int = 64,
               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, unordered: bool = False,
-              strategy: str | None = None, ignore_eos: bool = False, history=()) -> Ref:
+              strategy: str | None = None, ignore_eos: bool = False, history=(), rendered: bool = False) -> Ref:
         """An agent; `prompt` parts are strings or the handles returned by context/agent/kv-op calls;
         `history` earlier turns of its conversation (`{"role", "content"}` dicts or pairs, role
-        "user" or "assistant"), rendered by the model's chat template before this turn."""
+        "user" or "assistant"), rendered by the model's chat template before this turn.
+        `rendered=True`: the prompt is already rendered (see `AgentNode.rendered`); it must start
+        with a context (its shareable prefix) and have another part after it."""
         parts = tuple(self._part(name, p) for p in (prompt if isinstance(prompt, (list, tuple)) else [prompt]))
         if not parts:
             raise WorkflowError(f"agent {name!r}: the prompt is empty")
-        _check_agent_settings(name, model, system, max_tokens, temperature, top_p, seed, unordered, ignore_eos)
+        check_agent_settings(name, model, system, max_tokens, temperature, top_p, seed, unordered, ignore_eos)
         if strategy is not None and strategy not in STRATEGIES:
             raise WorkflowError(f"agent {name!r}: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        history = checked_history(name, history)
+        if rendered is not False:
+            check_rendered(name, rendered, system, history, parts)
         node = AgentNode(name, model, parts, system, max_tokens, temperature, top_p, seed, unordered, strategy,
-                         ignore_eos, _checked_history(name, history))
+                         ignore_eos, history, rendered)
         return self._add(node, "agent")
 
     def kv_op(self, name: str, op: str, *inputs: Ref, **options) -> Ref:
@@ -150,7 +169,7 @@ class Workflow:
 
     def _part(self, owner: str, part) -> Union[str, Ref]:
         if isinstance(part, str):
-            _check_unicode(f"node {owner!r}", part)
+            check_unicode(f"node {owner!r}", part)
             return part
         if isinstance(part, Ref):
             if not isinstance(part.name, str) or part.name not in self.nodes:
@@ -211,52 +230,3 @@ class Workflow:
                         f"(served: {sorted(served_models)}); start it with af.init(replicas={{{agent.model!r}: 1}})"
                     )
 
-
-def _check_unicode(owner: str, text: str) -> None:
-    """`WorkflowError` for text no tokenizer can encode (unpaired surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise WorkflowError(f"{owner}: the text is not valid unicode ({exc.reason} at character {exc.start}); "
-                            "remove unpaired surrogates") from exc
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _checked_history(name: str, history) -> tuple[tuple[str, str], ...]:
-    """`history` as (role, content) pairs; `WorkflowError` naming the first bad turn."""
-    if not isinstance(history, (list, tuple)):
-        raise WorkflowError(f"agent {name!r}: history must be a list of turns, got {type(history).__name__}")
-    turns = []
-    for i, turn in enumerate(history):
-        role, content = (turn.get("role"), turn.get("content")) if isinstance(turn, dict) else (
-            turn if isinstance(turn, (list, tuple)) and len(turn) == 2 else (None, None))
-        if role not in ("user", "assistant") or not isinstance(content, str):
-            raise WorkflowError(f"agent {name!r}: history turn {i} must have role 'user' or 'assistant' and string "
-                                f"content, got {turn!r:.80}")
-        _check_unicode(f"agent {name!r}'s history turn {i}", content)
-        turns.append((role, content))
-    return tuple(turns)
-
-
-def _check_agent_settings(name, model, system, max_tokens, temperature, top_p, seed, unordered, ignore_eos) -> None:
-    """`WorkflowError` naming the first agent setting of the wrong type or out of range."""
-    if not isinstance(model, str) or not model.strip():
-        raise WorkflowError(f"agent {name!r}: model must be a served model's name (a non-empty string), got {model!r}")
-    if system is not None and not isinstance(system, str):
-        raise WorkflowError(f"agent {name!r}: system must be a string or None, got {type(system).__name__}")
-    if system is not None:
-        _check_unicode(f"agent {name!r}'s system prompt", system)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise WorkflowError(f"agent {name!r}: max_tokens must be an int >= 1, got {max_tokens!r}")
-    if not _is_number(temperature) or temperature < 0:
-        raise WorkflowError(f"agent {name!r}: temperature must be a finite number >= 0, got {temperature!r}")
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise WorkflowError(f"agent {name!r}: top_p must be a number in (0, 1], got {top_p!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise WorkflowError(f"agent {name!r}: seed must be an int or None, got {seed!r}")
-    for flag, value in (("unordered", unordered), ("ignore_eos", ignore_eos)):
-        if not isinstance(value, bool):
-            raise WorkflowError(f"agent {name!r}: {flag} must be true or false, got {value!r}")

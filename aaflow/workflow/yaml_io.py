@@ -2,13 +2,14 @@
 
     name: review
     contexts:
-      paper: {file: paper.txt}        # or an inline string
+      paper: {file: paper.txt}        # or an inline string, or {token_ids: [...]} (already tokenized)
     agents:
       r1: {model: smollm2, prompt: [{ref: paper}, "Review the method."], max_tokens: 64}
       meta: {model: smollm2, prompt: [{ref: paper}, {ref: r1}, "Summarize."]}
     kv_ops:                           # optional explicit KV operator nodes
       shared: {op: fork, inputs: [paper]}     # then {ref: shared} in a prompt
 
+An agent with `rendered: true` takes its prompt as already rendered (`Workflow.agent`).
 Unknown keys are rejected with the key named; references may point forward (order is resolved).
 `save_workflow` writes a workflow built in Python as such a file (contexts inline).
 """
@@ -25,7 +26,7 @@ from aaflow.workflow.graph import AgentNode, ContextNode, KVOpNode, Ref, Workflo
 _TOP_KEYS = {"name", "contexts", "agents", "kv_ops"}
 _KVOP_KEYS = {"op", "inputs", "replica", "mode", "r"}
 _AGENT_KEYS = {"model", "prompt", "system", "max_tokens", "temperature", "top_p", "seed", "unordered", "strategy",
-               "ignore_eos", "history"}
+               "ignore_eos", "history", "rendered"}
 
 
 def _unknown(where: str, given: dict, allowed: set[str]) -> None:
@@ -45,7 +46,12 @@ def workflow_from_dict(raw: dict, base_dir: Path | None = None) -> Workflow:
         raise WorkflowError("contexts must be a mapping of context name -> text or {file: path}")
     for name, value in contexts.items():
         if isinstance(value, dict):
-            _unknown(f"context {name!r}", value, {"file", "text"})
+            _unknown(f"context {name!r}", value, {"file", "text", "token_ids"})
+            if "token_ids" in value:
+                if len(value) > 1:
+                    raise WorkflowError(f"context {name!r}: give token_ids alone, without text or file")
+                wf.context(name, token_ids=value["token_ids"])
+                continue
             value = _read_context_file(name, value["file"], base_dir) if "file" in value else value.get("text", "")
         wf.context(name, value)
     agents = raw.get("agents") or {}
@@ -155,7 +161,8 @@ def workflow_to_dict(wf: Workflow) -> dict:
     out: dict = {"name": wf.name, "contexts": {}, "agents": {}, "kv_ops": {}}
     for name, node in wf.nodes.items():
         if isinstance(node, ContextNode):
-            out["contexts"][name] = {"text": node.text}
+            content = {"text": node.text} if node.token_ids is None else {"token_ids": list(node.token_ids)}
+            out["contexts"][name] = content
         elif isinstance(node, KVOpNode):
             out["kv_ops"][name] = {"op": node.op, "inputs": list(node.inputs), **dict(node.options)}
         else:

@@ -24,10 +24,10 @@ OPTIONAL_WRAPPERS = {"aaflow.serving.app", "aaflow.engines_vllm.connector"}  # m
 
 def layer(module: str) -> str:
     """The layer of a module of this repository: `aaflow` itself (the facade) is front end, the
-    workflow graph the core runs is core, the rest by the prefixes above."""
+    workflow graph the core runs (and the checks of its nodes) is core, the rest by the prefixes above."""
     def under(prefixes):
         return any(module == p or module.startswith(p + ".") for p in prefixes)
-    if module == "aaflow.workflow.graph":
+    if module in ("aaflow.workflow.graph", "aaflow.workflow.checks"):
         return "core"
     if module == "aaflow" or under(FRONT_END):
         return "front end"

@@ -100,17 +100,19 @@ def test_groups_shrink_with_the_batch_and_stop_at_the_first_budget():
         [(3, frozenset({2})), (32, frozenset())]
 
 
-def test_on_the_only_replica_agents_that_ignore_eos_step_in_groups_whatever_the_batch():
-    """Nothing can arrive before the first budget ends: no other replica, no early end."""
-    batch = [_agent(f"a{i}", ignore_eos=True) for i in range(64)]
-    readers = {a.name: [] for a in batch}
-    assert steps_per_call(batch, readers, only_replica=True) == GROUP_STEPS
-    assert steps_per_call(batch, readers, only_replica=False) == 1  # another replica's agent may end
-    batch[5].result.decoded = 29
-    assert steps_per_call(batch, readers, only_replica=True) == 3  # up to the first budget
-    batch.append(_agent("eos"))  # may end at any step: its readers must not wait for a group
-    readers["eos"] = []
-    assert steps_per_call(batch, readers, only_replica=True) == 1
+def test_a_group_serves_a_batch_whatever_its_end_of_sequence_settings():
+    """Agents that may stop at end-of-sequence step in the same groups as those that ignore it (the
+    replica stops a session at its end-of-sequence token inside the group), and a large batch steps
+    once per call whatever its settings: a run another client submits must not wait for a group."""
+    for ignore in (True, False):
+        small = [_agent(f"a{i}", ignore_eos=ignore) for i in range(4)]
+        large = [_agent(f"b{i}", ignore_eos=ignore) for i in range(64)]
+        readers = {a.name: [] for a in small + large}
+        assert steps_per_call(small, readers) == GROUP_TOKENS // 4
+        assert steps_per_call(large, readers) == 1
+    mixed = [_agent("a0", ignore_eos=True), _agent("a1")]
+    assert steps_per_call(mixed, {"a0": [], "a1": []}) == GROUP_STEPS
+    assert stops(mixed, {"m": {2}}) == [(32, frozenset()), (32, frozenset({2}))]
 
 
 def test_an_agent_feeding_a_streaming_reader_steps_one_token_per_call():

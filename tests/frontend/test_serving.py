@@ -140,9 +140,10 @@ def _fan_out(client, model: str, doc: str, hints: bool) -> list:
 
 
 def test_with_workflow_hints_every_reader_forks_the_document(served):
-    """With hints, the readers' shared leading paragraph (the document) is a context the scheduler
-    materializes once per replica at most and forks for each reader: every reader's prompt has the
-    document from KV already there (cached_tokens). Unknown hint fields are ignored."""
+    """With hints, the token prefix the readers share with the workflow's first request (the chat
+    header and the document) is a context the scheduler materializes once per replica at most and
+    forks for each reader: every reader's prompt has the document from KV already there
+    (cached_tokens). Unknown hint fields are ignored."""
     cluster, model, client, _ = served
     doc = "Workflow hints, run 1. " + DOC
     replies = _fan_out(client, model, doc, hints=True)
@@ -164,27 +165,50 @@ def test_with_workflow_hints_every_reader_forks_the_document(served):
     assert held() == 0, "the document was kept past its ttl_s"
 
 
-def test_a_request_becomes_one_agent_and_hints_make_the_shared_lead_a_context():
+def test_a_request_becomes_one_rendered_agent_and_hints_share_the_common_token_prefix(tiny_llama_dir):
+    """A request's agent reads its whole tokenized chat as two token-id contexts: the chat header
+    (its static prefix), then the rest. With hints, a later request of the workflow shares the
+    token prefix it has in common with the first (the reference, cut to what was shared); a request
+    of another workflow, or one sharing less than a block beyond the header, shares nothing."""
+    from transformers import AutoTokenizer
+
+    from aaflow.runtime.prompts import PromptBuilder
     from aaflow.serving.requests import AgentHintsBody, Message, conversation
-    from aaflow.serving.workflows import HintedWorkflows, request_run
-    from aaflow.workflow.graph import ContextNode
+    from aaflow.serving.workflows import MIN_SHARED_TOKENS, HintedWorkflows, request_run
 
     system, history, user = conversation([Message(role="system", content="S"), Message(role="user", content="u1"),
                                           Message(role="assistant", content=[{"type": "text", "text": "a1"}]),
                                           Message(role="user", content="u2")])
     assert (system, history, user) == ("S", [("user", "u1"), ("assistant", "a1")], "u2")
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(str(tiny_llama_dir)))  # one token per byte
     sampling = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "seed": None, "ignore_eos": False}
     remembered = HintedWorkflows()
-    plain = request_run("m", None, [], "Doc.\n\nQuestion?", sampling, None, remembered, "1")
-    assert plain.strategy == "text" and plain.workflow.nodes["answer"].prompt == ("Doc.", "Question?")
+
+    def run(user: str, hints=None, request_id: str = "r"):
+        got = request_run(builder, "m", None, [], user, sampling, hints, remembered, request_id)
+        node = got.workflow.nodes[got.agent]
+        assert node.rendered and node.system is None
+        return got, builder.segments(got.workflow, node)
+
+    header = len(builder.frame(None)[0])
+    plain, segments = run("Doc.\n\nQuestion?")
+    ids, _ = builder.chat(None, (), "Doc.\n\nQuestion?")
+    assert plain.strategy == "text" and segments == [ids[:header], ids[header:]]
+    doc = "A shared document of some length.\n\nPlan"
     hints = AgentHintsBody(workflow_id="w", agent_id="a", ttl_s=9)
-    first = request_run("m", None, [], "Doc.\n\nPlan.", sampling, hints, remembered, "2")
-    assert first.strategy == "text" and first.options == {"keep_prefix_s": 9}
-    first_contexts = [n.text for n in first.workflow.nodes.values() if isinstance(n, ContextNode)]
-    assert first_contexts == ["Doc."]  # all but its last paragraph: the prefix its readers will share
-    reader = request_run("m", None, [], "Doc.\n\nPlan: x\n\nQ1?", sampling, hints.model_copy(update={"agent_id": "b"}),
-                         remembered, "3")
-    contexts = [n for n in reader.workflow.nodes.values() if isinstance(n, ContextNode)]
-    assert [c.text for c in contexts] == ["Doc."] and reader.agent == "b" and reader.strategy == "transfer"
+    first, segments = run(doc + ". Six questions.", hints)
+    assert first.strategy == "text" and first.options == {"keep_prefix_s": 9} and len(segments[0]) == header
+    reader_hints = hints.model_copy(update={"agent_id": "b"})
+    reader, segments = run(doc + ": x\n\nQ1?", reader_hints)
+    ids, _ = builder.chat(None, (), doc + ": x\n\nQ1?")
+    shared = header + len(doc)  # the first differs at ". Six" against ": x"
+    assert shared - header >= MIN_SHARED_TOKENS
+    assert reader.agent == "b" and reader.strategy == "transfer" and segments == [ids[:shared], ids[shared:]]
+    again, segments = run(doc + ". Six more questions.", reader_hints)  # shares more with the first request,
+    assert again.strategy == "transfer" and segments[0] == ids[:shared]  # but the workflow's prefix stays one
+    short, segments = run("Another document.\n\nQ2?", reader_hints)
+    assert short.strategy == "text" and len(segments[0]) == header
+    other, segments = run(doc + ": x\n\nQ1?", AgentHintsBody(workflow_id="w2"))
+    assert other.strategy == "text" and len(segments[0]) == header
     with pytest.raises(af.WorkflowError):
         af.Workflow("x").agent("a", "m", ["hi"], history=[{"role": "tool", "content": "x"}])

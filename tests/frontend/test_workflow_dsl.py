@@ -42,6 +42,45 @@ def test_python_dsl_errors_name_the_node():
         wf.kv_op("k", "teleport", doc)
 
 
+def test_token_id_contexts_and_rendered_agents_are_checked():
+    wf = af.Workflow("w")
+    ids = wf.context("ids", token_ids=[1, 2])
+    for kwargs, match in (({"text": "t", "token_ids": [1]}, "give text or token_ids, not both"),
+                          ({"token_ids": []}, "token_ids must be a non-empty list of ints"),
+                          ({"token_ids": [1, -1]}, "token ids must be ints >= 0, got -1"),
+                          ({"token_ids": [1, True]}, "token ids must be ints >= 0, got True")):
+        with pytest.raises(af.WorkflowError, match=f"context 'c': {match}"):
+            wf.context("c", **kwargs)
+    for prompt, kwargs, match in (([ids, "x"], {"system": "S"}, "give no system or history"),
+                                  (["x", ids], {}, "must start with a context"),
+                                  ([ids], {}, "and have another part after it"),
+                                  ([ids, "x"], {"rendered": "yes"}, "rendered must be true or false")):
+        with pytest.raises(af.WorkflowError, match=f"agent 'a': .*{match}"):
+            wf.agent("a", "m", prompt, **{"rendered": True, **kwargs})
+
+
+def test_a_rendered_agent_reads_its_parts_as_they_are(tiny_llama_dir):
+    """No chat frame and no separators: token-id contexts, text and upstream outputs back to back;
+    its leading contexts short of its last part are its static prefix."""
+    from transformers import AutoTokenizer
+
+    from aaflow.runtime.prompts import AgentInput, PromptBuilder
+
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(str(tiny_llama_dir)))  # one token per byte
+    wf = af.Workflow("rendered")
+    head, doc = wf.context("head", token_ids=[1, 2]), wf.context("doc", "Doc.")
+    up = wf.agent("up", "m", ["Go."])
+    wf.agent("one", "m", [head, doc, up, "End."], rendered=True)
+    wf.agent("two", "m", [head, doc], rendered=True)
+    segments = builder.segments(wf, wf.nodes["one"])
+    assert segments == [(1, 2) + builder.ids("Doc."), AgentInput("up"), builder.ids("End.")]
+    assert builder.prefix_part_lengths(wf, wf.nodes["one"]) == [2, 4]
+    assert builder.segments(wf, wf.nodes["two"]) == [(1, 2), builder.ids("Doc.")]  # never the whole prompt
+    wf.agent("bad", "m", [wf.context("huge", token_ids=[builder.vocab_size]), "x"], rendered=True)
+    with pytest.raises(af.WorkflowError, match=f"context 'huge': token id {builder.vocab_size} is not in the model"):
+        builder.segments(wf, wf.nodes["bad"])
+
+
 def test_unserved_model_is_named():
     wf = review_workflow()
     with pytest.raises(af.WorkflowError, match="agent 'r0' uses model 'smollm2', which the cluster does not serve"):
@@ -73,6 +112,7 @@ def test_save_workflow_writes_a_yaml_that_loads_as_the_same_workflow(tmp_path):
     a = wf.agent("a", "m", [both, "Plan it."], system="Be brief.", max_tokens=7, temperature=0.5, top_p=0.9, seed=3,
                  strategy="stream", ignore_eos=True, history=[("user", "Hi."), ("assistant", "Hello.")])
     wf.agent("b", "m", [guide, a, "Write it."], unordered=True)
+    wf.agent("c", "m", [wf.context("ids", token_ids=[5, 0, 7]), "More."], rendered=True)
     wf.kv_op("drop", "evict", guide)
     for original in (wf, af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")):
         loaded = af.load_workflow(af.save_workflow(original, tmp_path / f"{original.name}.yaml"))
@@ -137,6 +177,7 @@ def test_evict_node_is_not_a_prompt_part():
      "kv op 'k': unknown key 'replicas'"),
     ({"contexts": {"c": "x"}, "kv_ops": {"k": {"op": "teleport", "inputs": ["c"]}}, "agents": {}}, "teleport"),
     ({"kv_ops": {"k": {"op": "fork", "inputs": ["ghost"]}}, "agents": {}}, "'k' refers to unknown node 'ghost'"),
+    ({"contexts": {"c": {"token_ids": [1], "text": "x"}}}, "context 'c': give token_ids alone"),
 ])
 def test_yaml_validation_errors(raw, match, tmp_path):
     with pytest.raises(af.WorkflowError, match=match):
