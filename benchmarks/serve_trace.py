@@ -223,4 +223,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-mode", default="graph", choices=list(MODES))
     p.add_argument("--vllm-block-size", type=int, default=32)
     add_dtype_argument(p)
-    p.add_argument("--out", default="results/serve_trace.json")
+    p.add_argument("--out", default="results/trace_serve.json")  # not serve*.json: the serving table reads those

@@ -49,13 +49,17 @@ class AgentLifecycle:
     def now(self) -> float:
         return self.state.now()
 
-    def place(self, agent: AgentState) -> None:
-        """Put `agent` on the replica `Placement` chooses."""
-        alive, revived = self.recovery.live_replicas(agent.model)
+    def place(self, agent: AgentState) -> bool:
+        """Put `agent` on the replica `Placement` chooses; False when none lives yet but one may
+        come back (the agent waits for it: `Recovery.await_replica`)."""
+        alive, revived, pending = self.recovery.live_replicas(agent.model)
         for rname in revived:
             self.revived(rname)
+        if not alive and pending and self.recovery.await_replica(agent):
+            return False
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}", [agent.name])
+        self.recovery.awaiting.pop(agent.name, None)
         best = self.placement.choose(agent, alive, self.state.load, self.prefixes.refs.get(agent.prefix_key, {}),
                                      self.admission.fits)
         if agent.replica is not None and agent in self.state.placed[agent.replica]:
@@ -68,6 +72,7 @@ class AgentLifecycle:
         agent.sid = f"{self.run_id}/{agent.name}#{agent.result.restarts}"
         agent.result.strategy = agent.strategy
         agent.start_s = self.now()
+        return True
 
     def revived(self, rname: str) -> None:
         """A lost replica was restarted (empty): it takes agents again; its agents were restarted
@@ -79,8 +84,7 @@ class AgentLifecycle:
         self.admission.ungate(rname)
 
     def open(self, agent: AgentState) -> None:
-        self.place(agent)
-        if self.admission.admit(agent):
+        if self.place(agent) and self.admission.admit(agent):
             self.opened_admitted(agent)
 
     def release_kv(self, agent: AgentState) -> None:

@@ -47,8 +47,9 @@ class PrefixSharing:
         """The transport a prefix moves over: its first waiting agent's run's, else the scheduler's,
         else the backend's default (asked once)."""
         for agent in waiting or ():
-            if agent.options is not None and agent.options.transport is not None:
-                return agent.options.transport
+            options = getattr(agent, "options", None)
+            if options is not None and options.transport is not None:
+                return options.transport
         if self._transport is None:
             self._transport = self.state.backend.default_transport()
         return self._transport

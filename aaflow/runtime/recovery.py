@@ -2,8 +2,9 @@
 
 A replica that dies loses its sessions; every agent it ran starts over from its prompt tokens
 (its lineage) on a live replica, and consumers that had streamed tokens from it start over too;
-once Ray has restarted it (empty), it takes agents again, and placement waits for it (bounded)
-when no other replica of the model lives.
+once Ray has restarted it (empty), it takes agents again. When no other replica of the model
+lives, the agents to place wait for it (`awaiting`, bounded by REVIVE_WAIT_S) without holding the
+loop: every other run goes on meanwhile, and each loop turn looks again.
 A failed transfer degrades to recomputing the prefix where it was going. A call refused for lack
 of KV blocks preempts: the agents whose prompt it carried (for a decode step, the agent placed
 last; for a shared prefix, the agents waiting for it) close their sessions and start over once
@@ -61,6 +62,7 @@ class Recovery:
         self.preempted: dict[str, int] = {}  # agent -> times preempted
         self.gone: set[str] = set()  # dead replicas that will not be restarted
         self.preempted_since: dict[str, float] = {}  # agent -> when it was first preempted
+        self.awaiting: dict[str, tuple[AgentState, float]] = {}  # agent -> (it, deadline): no live replica yet
         self.jitter = random.Random(seed)
 
     def forget(self, name: str) -> None:
@@ -169,24 +171,39 @@ class Recovery:
             f"their consumers {waiting} were stopped", [*failed, *waiting]
         ) from exc
 
-    def live_replicas(self, model: str) -> tuple[list[str], list[str]]:
-        """The live replicas of `model`, and the lost ones Ray restarted meanwhile (empty: they take
-        agents again once the scheduler has forgotten what they held); when none lives, wait (up to
-        REVIVE_WAIT_S) for one to come back."""
+    def live_replicas(self, model: str) -> tuple[list[str], list[str], bool]:
+        """The live replicas of `model`, the lost ones Ray restarted meanwhile (empty: they take
+        agents again once the scheduler has forgotten what they held), and whether a lost one may
+        still come back. One look: it never waits."""
         s = self.state
         lost = [r.name for r in s.replicas if r.model == model and r.name in s.dead and r.name not in self.gone]
-        deadline = s.now() + REVIVE_WAIT_S
-        timeout, revived = 0.0, []  # a first look without waiting
-        while True:
-            for rname in list(lost):
-                back = s.backend.revived(rname, timeout / max(1, len(lost)))
-                if back is None:
-                    self.gone.add(rname)
-                if back is not False:
-                    lost.remove(rname)
-                if back:
-                    revived.append(rname)
-            alive = [r.name for r in s.replicas if r.model == model and (r.name not in s.dead or r.name in revived)]
-            if alive or not lost or s.now() >= deadline:
-                return alive, revived
-            timeout = 1.0
+        revived = []
+        for rname in lost:
+            back = s.backend.revived(rname, 0.0)
+            if back is None:
+                self.gone.add(rname)
+            elif back:
+                revived.append(rname)
+        alive = [r.name for r in s.replicas if r.model == model and (r.name not in s.dead or r.name in revived)]
+        return alive, revived, any(r not in self.gone and r not in revived for r in lost)
+
+    def await_replica(self, agent: AgentState) -> bool:
+        """`agent` found no live replica while one may come back: it waits (placed again on a later
+        loop turn, `take_awaiting`) unless it has waited REVIVE_WAIT_S already (False)."""
+        now = self.state.now()
+        first = self.awaiting.get(agent.name)
+        deadline = first[1] if first else now + REVIVE_WAIT_S
+        if now >= deadline:
+            self.awaiting.pop(agent.name, None)
+            return False
+        if first is None:
+            self.state.note(f"agent {agent.name} waits for a replica of {agent.model} to come back")
+        self.awaiting[agent.name] = (agent, deadline)
+        return True
+
+    def take_awaiting(self) -> list[AgentState]:
+        """The agents waiting for a replica to come back that are still to place (dropped ones go)."""
+        waiting = [agent for agent, _ in self.awaiting.values() if not agent.dropped and agent.state == AgentPhase.NEW]
+        if len(waiting) != len(self.awaiting):
+            self.awaiting = {a.name: self.awaiting[a.name] for a in waiting}
+        return waiting

@@ -25,6 +25,8 @@ from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.runtime.scheduler_state import SchedulerState
 
+AWAIT_POLL_S = 0.2  # with nothing in flight but agents waiting for a replica to come back: look again this often
+
 
 class Scheduler(AgentLifecycle):
     """Runs agents to their end (`run`), or serves runs that join it (`add`, `forget`): the
@@ -91,7 +93,8 @@ class Scheduler(AgentLifecycle):
             if replica is not None:
                 if agent in self.state.decoding[replica]:
                     self.state.decoding[replica].remove(agent)
-                self.state.load[replica] -= 1
+                if agent in self.state.placed[replica]:  # not one waiting for its replica to come back
+                    self.state.load[replica] -= 1
                 self.queues.discard_prefills(replica, agent.sid)
                 if agent.state not in (AgentPhase.NEW, AgentPhase.ADMITTING) and replica not in self.state.dead:
                     self.queues.call(replica, CloseCall(agent.sid))
@@ -148,6 +151,9 @@ class Scheduler(AgentLifecycle):
                 stuck = [a.name for a in self.state.agents.values() if a.state != AgentPhase.DONE]
                 raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come",
                                        stuck)
+            if not self.queues.inflight:  # only agents waiting for a replica to come back
+                self.backend.pause(AWAIT_POLL_S)
+                continue
             ready = self.backend.wait(list(self.queues.inflight), 1, self.call_timeout_s)
             if not ready:
                 names = sorted({t.replica for t in self.queues.inflight})
@@ -156,10 +162,13 @@ class Scheduler(AgentLifecycle):
             self.process(ready[0])
 
     def launch(self) -> bool:
-        """Start what may run; False when nothing is in flight and nothing can be started."""
+        """Start what may run; False when nothing is in flight, nothing can be started and no agent
+        waits for a replica to come back (those are placed again first, each time)."""
+        for agent in self.recovery.take_awaiting():
+            self.open(agent)
         while True:
             self.queues.launch()
-            if self.queues.inflight:
+            if self.queues.inflight or self.recovery.awaiting:
                 return True
             if not self.force_admission():
                 return False

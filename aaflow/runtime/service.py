@@ -33,7 +33,7 @@ from aaflow.runtime.executor import collect
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
 from aaflow.runtime.run_options import RunOptions
-from aaflow.runtime.scheduler import Scheduler
+from aaflow.runtime.scheduler import AWAIT_POLL_S, Scheduler
 from aaflow.runtime.service_run import ServiceRun
 
 TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at deadlines and cancels
@@ -106,8 +106,9 @@ class RunService:
         """Take new runs, launch and hand on one ended call, give ended runs their results."""
         s = self.scheduler
         due_s = self._release_kept()  # frees queue their calls: then the loop is not idle
-        idle = not s.unfinished and not s.queues.inflight and not self._queued()
-        self._take(block=idle, timeout_s=due_s)
+        awaiting = bool(s.recovery.awaiting) and not s.queues.inflight  # only a restarting replica to wait for
+        idle = (not s.unfinished or awaiting) and not s.queues.inflight and not self._queued()
+        self._take(block=idle, timeout_s=min(due_s or AWAIT_POLL_S, AWAIT_POLL_S) if awaiting else due_s)
         if self._stopped:
             return
         try:
