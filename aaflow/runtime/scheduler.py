@@ -59,9 +59,11 @@ class Scheduler(AgentLifecycle):
         self.unfinished += len(agents)
 
     def _lends(self, sessions: list[str]) -> bool:
-        """Whether every run of `sessions` lets its long prefills borrow idle replicas' threads."""
+        """Whether every run of `sessions` lets its long prefills borrow idle replicas' threads (for
+        a call of no session, a shared prefix's materialize: every run with an agent still to end)."""
         wanted = set(sessions)
-        return all(a.options.lend_cores for a in self.state.agents.values() if a.options and a.sid in wanted)
+        return all(a.options.lend_cores for a in self.state.agents.values()
+                   if a.options and (a.sid in wanted if wanted else a.state != AgentPhase.DONE))
 
     def add(self, agents: dict[str, AgentState]) -> None:
         """Agents of another run join the running scheduler: they are placed, batched and admitted

@@ -93,6 +93,9 @@ def test_a_run_that_keeps_its_cores_is_not_lent_threads_in_a_pack_with_one_that_
     assert Scheduler._lends(scheduler, ["s/lends", "s/planned"])
     assert not Scheduler._lends(scheduler, ["s/lends", "s/keeps"])
     assert not Scheduler._lends(scheduler, ["s/keeps"])
+    assert not Scheduler._lends(scheduler, [])  # a shared prefix's materialize: a run still on keeps its cores
+    agents["keeps"].state = "done"
+    assert Scheduler._lends(scheduler, [])
 
 
 def test_run_options_refuse_a_call_time_limit_that_is_not_positive():
