@@ -43,6 +43,11 @@ def agent_specs(workflows: dict) -> dict[str, list[dict]]:
             for name, wf in workflows.items()}
 
 
+def load_specs(workflows: list) -> list[list[dict]]:
+    """A load of workflows as the vLLM serve runner takes it: each workflow's `agent_specs`, in order."""
+    return list(agent_specs({wf.name: wf for wf in workflows}).values())
+
+
 def chat_prompt(tokenizer, agent: dict, out: dict[str, str]) -> str:
     """An agent's prompt text as a user of the engine would send it: its parts (earlier agents'
     outputs from `out`) joined by blank lines, inside the model's chat template."""

@@ -33,7 +33,7 @@ import statistics
 from aaflow.progress import Stages
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
 from benchmarks.serve_load import run_threads
-from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows, shape_key
+from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows, shape_key, warm_up_load
 from benchmarks.vllm_config import BLOCK_SIZES, MODES, code_commit
 from benchmarks.vllm_tuning import tune_vllm
 
@@ -109,7 +109,7 @@ def _medians(samples: list[dict]) -> dict:
 
 def run(args) -> dict:
     import aaflow as af
-    from benchmarks.baseline_engines import agent_specs
+    from benchmarks.baseline_engines import load_specs
 
     if args.quick:
         args.workflows, args.documents, args.doc_tokens, args.repeats, args.rates = 8, 2, 300, 1, []
@@ -129,7 +129,7 @@ def run(args) -> dict:
             from benchmarks.http_load import HttpEndpoint
 
             endpoint = HttpEndpoint(head)
-        af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels
+        af.run(warm_up_load()[0], cluster, strategy=args.strategy)  # kernels
         bar = Stages(len(eos_modes) * len(shapes) * args.repeats, "bench serve")
         for ignore_eos, workflows in loads.items():
             if args.strategy == "auto":  # each document's workflow planned once before (plans are memoized by shape)
@@ -140,7 +140,7 @@ def run(args) -> dict:
                 log(f"{len(workflows)} workflows alone first (reference tokens) ...")
                 alone = {wf.name: {n: a.token_ids for n, a in af.run(wf, cluster, strategy=args.strategy).agents.items()}
                          for wf in workflows}
-            specs = list(agent_specs({wf.name: wf for wf in workflows}).values())
+            specs = load_specs(workflows)
             for shape, rate in shapes:
                 key = shape_key(shape, ignore_eos)
                 offsets = arrivals(len(workflows), rate, seed=1)

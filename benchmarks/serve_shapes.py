@@ -36,6 +36,11 @@ def serve_workflows(count: int, docs: list[str], max_tokens: int, ignore_eos: bo
     return [serve_workflow(i, docs[i % len(docs)], max_tokens, ignore_eos) for i in range(count)]
 
 
+def warm_up_load() -> list:
+    """The small load both sides run untimed before measuring (aaflow builds its kernels, vLLM its graphs)."""
+    return serve_workflows(1, documents(1, 200), 4)
+
+
 def shape_key(shape: str, ignore_eos: bool) -> str:
     """A load's name in the JSON: its arrival shape, with " (eos)" where agents stop at end-of-sequence."""
     return f"{shape}{'' if ignore_eos else ' (eos)'}"

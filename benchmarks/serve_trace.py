@@ -24,7 +24,7 @@ import statistics
 import time
 
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
-from benchmarks.serve_shapes import documents, percentile, serve_workflows
+from benchmarks.serve_shapes import documents, percentile, serve_workflows, warm_up_load
 from benchmarks.vllm_config import MODES, VllmConfig, code_commit
 
 
@@ -155,7 +155,7 @@ def run(args) -> dict:
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}}
     cluster = af.init(replicas={"smollm2": 1}, dtype=args.dtype)
     try:
-        af.run(serve_workflows(1, documents(1, 200), 4)[0], cluster, strategy=args.strategy)  # kernels
+        af.run(warm_up_load()[0], cluster, strategy=args.strategy)  # kernels
         for wf in workflows[:len(docs)]:
             af.plan(wf, cluster, progress=None)
         replicas = cluster.replicas()
@@ -180,18 +180,13 @@ def run(args) -> dict:
 
 def _vllm_side(args, workflows) -> dict:
     from aaflow.engine.kv_budget import default_kv_cache_bytes
-    from aaflow.models import resolve_model_path
-    from benchmarks.baseline_engines import agent_specs
-    from benchmarks.vllm_serve_runner import VllmServeRunner
+    from benchmarks.baseline_engines import load_specs
+    from benchmarks.vllm_tuning import start_runner
 
     config = VllmConfig(args.vllm_mode, args.vllm_block_size)
-    specs = list(agent_specs({wf.name: wf for wf in workflows}).values())
-    warm = list(agent_specs({wf.name: wf for wf in serve_workflows(1, documents(1, 200), 4)}).values())
-    with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), config,
-                         kv_cache_bytes=default_kv_cache_bytes(1), timeout_s=3600) as runner:
-        runner.run_load(warm)
+    with start_runner(config, default_kv_cache_bytes(1)) as runner:
         wait_until_quiet()
-        load = runner.run_load(specs, trace=True)
+        load = runner.run_load(load_specs(workflows), trace=True)
     return {"config": config.label, "engine": load["engine"], "counters": load["vllm_counters"],
             **vllm_breakdown(load["iterations"], load["wall_s"])}
 

