@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP, parse_engines
 from aaflow.serving import DEFAULT_HOST, DEFAULT_PORT, serve
+from aaflow.serving.api_key import API_KEY_ENV
 from aaflow.submission import submit
 from cluster.deployment import down, status, up
 from cluster.scheduler_actor import LEASE_S
@@ -77,7 +79,9 @@ def _submit(args) -> int:
 
 
 def _serve(args) -> int:
-    serve(args.address, host=args.host, port=args.port, default_max_tokens=args.max_tokens)
+    serve(args.address, host=args.host, port=args.port, default_max_tokens=args.max_tokens,
+          api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
+          allow_no_key=args.allow_no_key)
     return 0
 
 
@@ -117,4 +121,8 @@ def add_deploy_commands(sub) -> None:
     serve.add_argument("--host", default=DEFAULT_HOST, help="interface to listen on (default loopback only)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT)
     serve.add_argument("--max-tokens", type=int, default=None, help="for requests that name none (default 256)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"every route but /health asks for 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    serve.add_argument("--allow-no-key", action="store_true",
+                       help="serve without an API key on an interface other machines can reach")
     serve.set_defaults(func=_serve)

@@ -16,7 +16,7 @@ from aaflow.planning import (default_link, model_profiles, plan_checked, replica
 from aaflow.runtime import check_sizes, prompt_builders
 from aaflow.runtime.agent_state import namespaced
 from aaflow.runtime.executor import workflow_agents
-from aaflow.runtime.scheduler import Scheduler
+from aaflow.runtime.scheduler import AWAIT_POLL_S, Scheduler, Turn
 from aaflow.runtime.sim_backend import SimBackend
 
 
@@ -76,11 +76,12 @@ def plan_load(workflows: list, cluster, arrivals_s: list[float] | None = None, s
                 runs[i] = namespaced(workflow_agents(workflows[i], builders, strategy, _decisions(
                     workflows[i], cluster, builders, strategy, hardware, link, chunk_tokens, dtype)), f"w{i}/")
                 scheduler.add(runs[i])
-            if scheduler.launch():
-                scheduler.process(backend.wait(list(scheduler.queues.inflight), 1, 3600.0)[0])
-            elif order:  # idle until the next arrival
+            turn = scheduler.turn(3600.0)
+            if turn is Turn.AWAITING:  # a replica to come back (none dies on the simulated clock)
+                backend.pause(AWAIT_POLL_S)
+            elif turn is Turn.STALLED and order:  # idle until the next arrival
                 backend.pause(arrivals[order[0]] - backend.now())
-            elif scheduler.unfinished:
+            elif turn is Turn.STALLED and scheduler.unfinished or turn is Turn.TIMED_OUT:
                 raise WorkflowError("the simulated load stalled: agents left that cannot run")
     finally:
         busy = dict(backend.busy_s)

@@ -13,6 +13,7 @@ lending), `PrefixSharing`, `Recovery`.
 from __future__ import annotations
 
 import uuid
+from enum import Enum
 
 from aaflow.runtime.admission import Admission
 from aaflow.runtime.agent_state import AgentPhase, AgentState
@@ -26,6 +27,15 @@ from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.runtime.scheduler_state import SchedulerState
 
 AWAIT_POLL_S = 0.2  # with nothing in flight but agents waiting for a replica to come back: look again this often
+
+
+class Turn(Enum):
+    """What one turn of the loop did (`Scheduler.turn`)."""
+
+    RAN = "ran"  # a call ended and was handed on
+    TIMED_OUT = "timed out"  # calls are in flight; none ended within the wait
+    AWAITING = "awaiting"  # nothing in flight: agents wait for a replica to come back
+    STALLED = "stalled"  # nothing in flight, nothing can start, no agent waits for a replica
 
 
 class Scheduler(AgentLifecycle):
@@ -149,19 +159,76 @@ class Scheduler(AgentLifecycle):
         for agent in self.state.agents.values():
             self.open_if_ready(agent)
         while self.unfinished:
-            if not self.launch():
+            turn = self.turn(self.call_timeout_s)
+            if turn is Turn.STALLED:
                 stuck = [a.name for a in self.state.agents.values() if a.state != AgentPhase.DONE]
                 raise AgentFailedError(f"workflow cannot progress; agents {stuck} wait for inputs that never come",
                                        stuck)
-            if not self.queues.inflight:  # only agents waiting for a replica to come back
+            if turn is Turn.AWAITING:
                 self.backend.pause(AWAIT_POLL_S)
-                continue
-            ready = self.backend.wait(list(self.queues.inflight), 1, self.call_timeout_s)
-            if not ready:
-                names = sorted({t.replica for t in self.queues.inflight})
+            elif turn is Turn.TIMED_OUT:
+                names = sorted(self.busy_replicas())
                 raise AgentFailedError(f"replicas {names} did not answer within {self.call_timeout_s:.0f} s",
                                        [a.name for a in self.state.agents.values() if a.state != AgentPhase.DONE])
-            self.process(ready[0])
+
+    def turn(self, timeout_s: float) -> Turn:
+        """One turn of the loop, the same for one run (`run`), a cluster's loop (`RunService`) and a
+        predicted load (`planning.load`): start what may run, wait up to `timeout_s` for one call
+        in flight to end and hand its value on."""
+        if not self.launch():
+            return Turn.STALLED
+        if not self.queues.inflight:
+            return Turn.AWAITING
+        ready = self.backend.wait(list(self.queues.inflight), 1, timeout_s)
+        if not ready:
+            return Turn.TIMED_OUT
+        self.process(ready[0])
+        return Turn.RAN
+
+    def busy_replicas(self) -> set[str]:
+        """Replicas with a call in flight."""
+        return {t.replica for t in self.queues.inflight}
+
+    def has_queued_calls(self) -> bool:
+        """A live replica has calls queued that are not in flight yet."""
+        return any(q for name, q in self.queues.queues.items() if name not in self.state.dead)
+
+    def awaiting_replica(self) -> bool:
+        """Agents wait for a replica of their model to come back."""
+        return bool(self.recovery.awaiting)
+
+    def after_queued_calls(self, tag: str, then) -> set[str]:
+        """Queue a no-op call (closing session `tag`, which holds nothing) on every live replica,
+        behind the calls queued there; `then(replica)` runs as each has ended. The replicas."""
+        replicas = {r for r in self.queues.replicas if r not in self.state.dead}
+        for replica in replicas:
+            self.queues.call(replica, CloseCall(tag), then=lambda _, replica=replica: then(replica))
+        return replicas
+
+    @property
+    def events(self) -> list[str]:
+        """What the loop did, in order (every run's)."""
+        return self.state.events
+
+    def is_dead(self, replica: str) -> bool:
+        return replica in self.state.dead
+
+    def held_prefixes(self) -> set:
+        """The keys of the shared prefixes held on some replica."""
+        return set(self.prefixes.refs)
+
+    def free_prefixes(self, keys: set) -> int:
+        """Free the shared prefixes of `keys` no unfinished agent reads (`PrefixSharing.free_unread`)."""
+        return self.prefixes.free_unread(keys)
+
+    def forget_prefixes(self, keep: set) -> None:
+        """Free every shared prefix but those of `keep` (nothing pending reads them)."""
+        for key in self.held_prefixes() - keep:
+            self.prefixes.forget(key)
+
+    def take_shared_computed(self, names) -> int:
+        """The prefix tokens shared prefixes computed for the agents `names` (counted once, here)."""
+        return sum(self.prefixes.computed_for.pop(name, 0) for name in names)
 
     def launch(self) -> bool:
         """Start what may run; False when nothing is in flight, nothing can be started and no agent

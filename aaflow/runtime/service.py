@@ -28,12 +28,11 @@ import time
 
 from aaflow.errors import AAFlowError
 from aaflow.runtime.agent_state import AgentPhase, AgentState, namespaced
-from aaflow.runtime.calls import CloseCall
 from aaflow.runtime.executor import collect
 from aaflow.runtime.recovery import AgentFailedError
 from aaflow.runtime.run_handle import RunCancelledError, RunHandle
 from aaflow.runtime.run_options import RunOptions
-from aaflow.runtime.scheduler import AWAIT_POLL_S, Scheduler
+from aaflow.runtime.scheduler import AWAIT_POLL_S, Scheduler, Turn
 from aaflow.runtime.service_run import ServiceRun
 
 TICK_S = 0.5  # the longest the loop waits for a replica call before it looks at deadlines and cancels
@@ -106,8 +105,9 @@ class RunService:
         """Take new runs, launch and hand on one ended call, give ended runs their results."""
         s = self.scheduler
         due_s = self._release_kept()  # frees queue their calls: then the loop is not idle
-        awaiting = bool(s.recovery.awaiting) and not s.queues.inflight  # only a restarting replica to wait for
-        idle = (not s.unfinished or awaiting) and not s.queues.inflight and not self._queued()
+        busy = bool(s.busy_replicas())
+        awaiting = s.awaiting_replica() and not busy  # only a restarting replica to wait for
+        idle = (not s.unfinished or awaiting) and not busy and not s.has_queued_calls()
         self._take(block=idle, timeout_s=min(due_s or AWAIT_POLL_S, AWAIT_POLL_S) if awaiting else due_s)
         if self._stopped:
             return
@@ -140,37 +140,32 @@ class RunService:
         self._owner.clear()
 
     def _turn(self) -> None:
-        """Launch what may run and hand on one ended call; end runs that cannot progress."""
+        """One turn of the scheduler (`Scheduler.turn`); end runs that cannot progress or whose
+        call time limit passed, and those past their deadline."""
         s = self.scheduler
-        if not s.queues.inflight:  # the time limit counts from the first call after a pause
+        if not s.busy_replicas():  # the time limit counts from the first call after a pause
             self._progress_s = s.now()
-        if not s.launch():
+        turn = s.turn(TICK_S)
+        if turn is Turn.STALLED:
             for run in [r for r in self.runs.values() if not r.ended] if s.unfinished else []:
                 self._end(run, AgentFailedError(f"workflow {run.workflow.name!r} cannot progress: its agents "
                                                 "wait for inputs that never come"))
             return
-        ready = s.backend.wait(list(s.queues.inflight), 1, TICK_S)
-        if ready:
+        if turn is Turn.RAN:
             self._progress_s = s.now()
-            s.process(ready[0])
-        else:
+        elif turn is Turn.TIMED_OUT:
             self._fail_late_runs(s.now() - self._progress_s)
         self._check_deadlines()
 
     def _fail_late_runs(self, waited_s: float) -> None:
         """No call ended for `waited_s`: the runs whose `call_timeout_s` that passes fail, each
         alone, naming their agents on the replicas that did not answer (the others wait on)."""
-        s = self.scheduler
-        late = {t.replica for t in s.queues.inflight}
+        late = self.scheduler.busy_replicas()
         for run in [r for r in self.runs.values() if not r.ended and waited_s > r.options.call_timeout_s]:
             stuck = [a.name for a in run.agents.values() if a.state != AgentPhase.DONE and a.replica in late]
             if stuck:
                 self._fail_agents(AgentFailedError(f"replicas {sorted(late)} did not answer within "
                                                    f"{run.options.call_timeout_s:.0f} s", stuck))
-
-    def _queued(self) -> bool:
-        s = self.scheduler
-        return any(q for name, q in s.queues.queues.items() if name not in s.state.dead)
 
     def _release_kept(self) -> float | None:
         """Free the kept prefixes whose time is up and that no pending agent reads; the seconds
@@ -179,7 +174,7 @@ class RunService:
         due = {k for k, until in self.kept.items() if until <= now}
         for key in due:
             del self.kept[key]
-        self.scheduler.prefixes.free_unread(due)
+        self.scheduler.free_prefixes(due)
         return min(self.kept.values()) - now if self.kept else None
 
     def _take(self, block: bool, timeout_s: float | None = None) -> None:
@@ -202,7 +197,7 @@ class RunService:
                 continue
             _, run, eos = message
             self.eos.update(eos)
-            run.start_s, run.first_event = self.scheduler.now(), len(self.scheduler.state.events)
+            run.start_s, run.first_event = self.scheduler.now(), len(self.scheduler.events)
             self.runs[run.id] = run
             self._owner.update({name: run for name in run.agents})
             try:
@@ -232,7 +227,7 @@ class RunService:
         """A run failed or was cancelled: drop its agents, free its shared prefixes."""
         agents = list(run.agents.values())
         self.scheduler.drop(agents)
-        self.scheduler.prefixes.free_unread(_prefixes_of(agents))
+        self.scheduler.free_prefixes(_prefixes_of(agents))
         run.ended, run.error = True, error
 
     def _reap(self) -> None:
@@ -242,44 +237,42 @@ class RunService:
             if not run.ended and all(a.state == AgentPhase.DONE for a in run.agents.values()):
                 agents = list(run.agents.values())
                 self._keep(run)
-                s.prefixes.free_unread(_prefixes_of(agents, self.kept))
+                s.free_prefixes(_prefixes_of(agents, self.kept))
                 end = max((a.end_s for a in agents), default=s.now())
-                shared = sum(s.prefixes.computed_for.pop(name, 0) for name in run.agents)
+                shared = s.take_shared_computed(run.agents)
                 run.result = collect(run.workflow, run.agents, run.builders, run.strategy, end - run.start_s,
                                      [], shared, start_s=run.start_s, prefix=run.id + "/")
                 run.ended = True
-            if run.ended and s.prefixes.free_unread(_prefixes_of(run.agents.values(), self.kept)):
+            if run.ended and s.free_prefixes(_prefixes_of(run.agents.values(), self.kept)):
                 run.closing = None  # a prefix it asked for arrived since: close again behind its free
-            if run.ended and run.closing is None:  # a no-op close behind its closes and frees on each replica
-                run.closing = closing = {r for r in s.queues.replicas if r not in s.state.dead}
-                for replica in closing:
-                    s.queues.call(replica, CloseCall(f"{run.id}/closed"),
-                                  then=lambda _, left=closing, replica=replica: left.discard(replica))
-            if run.ended and not (run.closing - s.state.dead):
+            if run.ended and run.closing is None:  # a no-op call behind its closes and frees on each replica
+                run.closing = left = set()  # the replicas that have not run it yet
+                left.update(s.after_queued_calls(f"{run.id}/closed", left.discard))
+            if run.ended and not {r for r in run.closing if not s.is_dead(r)}:
                 del self.runs[run.id]
                 try:
                     for name in run.agents:
                         self._owner.pop(name, None)
-                        s.prefixes.computed_for.pop(name, None)
+                    s.take_shared_computed(run.agents)
                     s.forget(list(run.agents.values()))
                     if run.result is not None:  # the loop's events while it ran (other runs' among them)
-                        run.result.events = run.events + s.state.events[run.first_event:]
+                        run.result.events = run.events + s.events[run.first_event:]
                         run.result.planning_s, run.result.total_s = run.planning_s, time.perf_counter() - run.called
                 except Exception as exc:  # a bug: the run fails with it rather than wait forever
                     run.handle._end(None, exc)
                     raise
                 run.handle._end(run.result, run.error)
         if not self.runs:  # nothing pending anywhere: no shared prefix has a reader left
-            for key in [k for k in s.prefixes.refs if k not in self.kept]:
-                s.prefixes.forget(key)
-            if len(s.state.events) > 10_000:
-                s.state.events.clear()
+            s.forget_prefixes(set(self.kept))
+            if len(s.events) > 10_000:
+                s.events.clear()
 
     def _keep(self, run: ServiceRun) -> None:
         """Its shared prefixes are kept `keep_prefix_s` from now (the longest of every run's keep)."""
         if run.keep_prefix_s:
             until = self.scheduler.now() + run.keep_prefix_s
-            for key in {a.prefix_key for a in run.agents.values() if a.prefix_key in self.scheduler.prefixes.refs}:
+            held = self.scheduler.held_prefixes()
+            for key in {a.prefix_key for a in run.agents.values() if a.prefix_key in held}:
                 self.kept[key] = max(until, self.kept.get(key, 0.0))
 
     def _on_token(self, name: str, token: int) -> None:

@@ -3,7 +3,8 @@
 Clients written for vLLM, SGLang or OpenAI (the `openai` package, LangChain, LangGraph) point
 their base URL at it; requests go to the deployment's one scheduling loop. Workflow hints
 (`extra_body={"agent_hints": {"workflow_id", "agent_id", "reads", "ttl_s"}}`) let it treat the
-requests of one workflow as one graph (`aaflow.serving.workflows`). Needs the `serve` extra
+requests of one workflow as one graph (`aaflow.serving.workflows`). `--api-key` (or
+`AAFLOW_API_KEY`) asks every request but /health for a bearer key (`aaflow.serving.api_key`). Needs the `serve` extra
 (`pip install aaflow[serve]`: FastAPI and uvicorn).
 """
 
@@ -14,23 +15,27 @@ import time
 
 from aaflow.errors import AAFlowError
 from aaflow.runtime import prompt_builders
+from aaflow.serving.api_key import check_listen
 from cluster.deployment import connect
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise: nothing listens on every interface by default
 DEFAULT_PORT = 8000
 
 
-def serving_app(cluster, default_max_tokens: int | None = None):
-    """The FastAPI app for `cluster` (its models' tokenizers loaded here, to tokenize prompts and stream text)."""
+def serving_app(cluster, default_max_tokens: int | None = None, api_key: str | None = None):
+    """The FastAPI app for `cluster` (its models' tokenizers loaded here, to tokenize prompts and
+    stream text); with `api_key`, every route but /health asks for it (`serving.api_key`)."""
     from aaflow.serving.app import DEFAULT_MAX_TOKENS, create_app  # optional: FastAPI (aaflow[serve])
 
     builders, _, _ = prompt_builders(set(cluster.models))
-    return create_app(cluster, builders, default_max_tokens or DEFAULT_MAX_TOKENS)
+    return create_app(cluster, builders, default_max_tokens or DEFAULT_MAX_TOKENS, api_key)
 
 
 def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-          default_max_tokens: int | None = None) -> None:
-    """Serve the deployment at `address` (or RAY_ADDRESS) over HTTP until interrupted."""
+          default_max_tokens: int | None = None, api_key: str | None = None, allow_no_key: bool = False) -> None:
+    """Serve the deployment at `address` (or RAY_ADDRESS) over HTTP until interrupted. Without
+    `api_key`, only on a loopback `host` unless `allow_no_key`."""
+    check_listen(host, api_key, allow_no_key)
     try:
         import uvicorn  # optional: aaflow[serve]
     except ImportError as exc:
@@ -39,8 +44,9 @@ def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFA
     cluster = connect(address)
     try:
         print(f"aaflow serve: models {', '.join(sorted(cluster.models))} at http://{host}:{port}/v1 "
-              f"(OpenAI-compatible; /metrics for Prometheus)", flush=True)
-        uvicorn.run(serving_app(cluster, default_max_tokens), host=host, port=port, log_level="warning")
+              f"(OpenAI-compatible; /metrics for Prometheus; "
+              f"{'API key required' if api_key else 'no API key'})", flush=True)
+        uvicorn.run(serving_app(cluster, default_max_tokens, api_key), host=host, port=port, log_level="warning")
     finally:
         cluster.shutdown()
 

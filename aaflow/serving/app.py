@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import aaflow as af
+from aaflow.serving.api_key import require_key
 from aaflow.serving.detokenize import IncrementalText
 from aaflow.serving.metrics import ServingMetrics
 from aaflow.serving.requests import ChatRequest, CompletionRequest, RequestError, conversation, sampling_options
@@ -29,12 +30,15 @@ from aaflow.serving.workflows import HintedWorkflows, RequestRun, request_run
 DEFAULT_MAX_TOKENS = 256
 
 
-def create_app(cluster, builders: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+def create_app(cluster, builders: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+               api_key: str | None = None) -> FastAPI:
     """The API for `cluster` (a deployment from `af.connect`, or a local `af.init` cluster);
     `builders` the `PromptBuilder` per served model name (to tokenize prompts, and to stream text
-    as tokens arrive)."""
+    as tokens arrive). With `api_key`, every route but /health asks for it (`serving.api_key`)."""
     app = FastAPI(title="aaflow", description="OpenAI-compatible API of an aaflow deployment")
     hinted, metrics, created = HintedWorkflows(), ServingMetrics(), int(time.time())
+    if api_key is not None:
+        require_key(app, api_key, metrics.auth_failures.inc)
 
     @app.exception_handler(RequestError)
     async def refused(_: Request, exc: RequestError) -> JSONResponse:

@@ -8,7 +8,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
 
 class ServingMetrics:
-    """Requests, tokens (prompt, of them cached, generated), latency and time to first token."""
+    """Requests, tokens (prompt, of them cached, generated), latency, time to first token, and
+    requests refused for their API key."""
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -16,6 +17,8 @@ class ServingMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("aaflow_requests", "Requests answered", registry=self.registry)
         self.cancels = Counter("aaflow_requests_cancelled", "Streams whose client went away", registry=self.registry)
+        self.auth_failures = Counter("aaflow_auth_failures", "Requests refused for a missing or wrong API key",
+                                     registry=self.registry)
         self.prompt = Counter("aaflow_prompt_tokens", "Prompt tokens", registry=self.registry)
         self.cached = Counter("aaflow_cached_prompt_tokens", "Prompt tokens served from KV already there",
                               registry=self.registry)
