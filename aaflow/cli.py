@@ -39,6 +39,7 @@ BENCHMARKS = {
     "load": "benchmarks.load_bench",
     "serve": "benchmarks.serve_bench",
     "serve-trace": "benchmarks.serve_trace",
+    "loop-scale": "benchmarks.loop_scale_bench",
     "endpoint": "benchmarks.endpoint_bench",
     "chaos": "benchmarks.chaos_bench",
     "overlap-bound": "benchmarks.overlap_bound",

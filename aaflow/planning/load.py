@@ -7,6 +7,7 @@ arrives (the loop takes new runs between two replica calls)."""
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +30,8 @@ class LoadPrediction:
     wall_s: float
     strategy: str
     busy_s: dict[str, float] = field(default_factory=dict)  # per replica
+    turns: int = 0  # replica calls the loop handed on
+    loop_cpu_s: float = 0.0  # CPU seconds of the loop: the scheduler deciding, and the simulated replicas' bookkeeping
 
     @property
     def workflows_per_min(self) -> float:
@@ -69,6 +72,7 @@ def plan_load(workflows: list, cluster, arrivals_s: list[float] | None = None, s
     scheduler = Scheduler({}, backend, {m: set() for m in models}, chunk_tokens=chunk_tokens)
     order = sorted(range(len(workflows)), key=lambda i: arrivals[i])
     runs: dict[int, dict] = {}
+    turns, cpu_before = 0, time.thread_time()
     try:
         while order or scheduler.unfinished:
             while order and arrivals[order[0]] <= backend.now():
@@ -77,6 +81,7 @@ def plan_load(workflows: list, cluster, arrivals_s: list[float] | None = None, s
                     workflows[i], cluster, builders, strategy, hardware, link, chunk_tokens, dtype)), f"w{i}/")
                 scheduler.add(runs[i])
             turn = scheduler.turn(3600.0)
+            turns += turn is Turn.RAN
             if turn is Turn.AWAITING:  # a replica to come back (none dies on the simulated clock)
                 backend.pause(AWAIT_POLL_S)
             elif turn is Turn.STALLED and order:  # idle until the next arrival
@@ -85,12 +90,13 @@ def plan_load(workflows: list, cluster, arrivals_s: list[float] | None = None, s
                 raise WorkflowError("the simulated load stalled: agents left that cannot run")
     finally:
         busy = dict(backend.busy_s)
+        loop_cpu = time.thread_time() - cpu_before
         scheduler.dispose()
     latencies = {f"{i}:{workflows[i].name}": max(a.end_s for a in agents.values()) - arrivals[i]
                  for i, agents in runs.items()}
     first = min(arrivals)
     wall = max(arrivals[i] + lat for i, lat in zip(runs, latencies.values())) - first
-    return LoadPrediction(latencies, wall, strategy, busy)
+    return LoadPrediction(latencies, wall, strategy, busy, turns, loop_cpu)
 
 
 def _decisions(workflow, cluster, builders, strategy: str, hardware, link, chunk_tokens: int, dtype: str):

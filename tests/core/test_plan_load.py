@@ -25,6 +25,7 @@ def test_runs_far_apart_take_what_each_takes_alone_and_a_burst_is_batched(tiny_l
     assert len(burst.latencies_s) == 4 and all(lat >= one * 0.999 for lat in burst.latencies_s.values())
     assert burst.wall_s < 4 * one  # one loop batches the four runs: less than one after another
     assert burst.latency_p99_s >= burst.latency_p50_s > 0 and burst.workflows_per_min > 0
+    assert burst.turns >= len(apart.latencies_s) and burst.loop_cpu_s > 0  # the loop's own cost is reported
 
 
 def test_a_load_under_auto_follows_each_workflows_plan(tiny_llama_dir):

@@ -10,7 +10,7 @@ import pytest
 
 from aaflow.cli import BENCHMARKS, build_parser
 
-QUICK = ["scaling", "overhead", "consistency", "workflows", "load", "chaos", "overlap-bound"]
+QUICK = ["scaling", "overhead", "consistency", "workflows", "load", "chaos", "overlap-bound", "loop-scale"]
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))

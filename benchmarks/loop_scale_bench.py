@@ -1,0 +1,75 @@
+"""`aaflow bench loop-scale`: how many replicas one scheduling loop keeps up with, on the simulated clock.
+
+The cluster loop's scheduler (`af.plan_load`: the real `Scheduler` over `SimBackend`, call costs from
+a calibrated hardware profile) runs `--workflows` of `bench serve`'s three-agent workflows (over
+`--documents` documents of `--doc-tokens` tokens, all arriving at once: that many in flight) on
+each of `--replicas` counts of one SmolLM2 model, for each `--hardware` profile. Per count:
+* the predicted wall and the replicas' busy seconds (sum, and mean per replica);
+* the loop's turns (replica calls it handed on) and its CPU seconds (`time.thread_time` over the
+  loop: the scheduler deciding plus the simulated replicas' bookkeeping, so an upper bound on the
+  decisions alone), per turn;
+* the loop's share: its CPU seconds against the mean replica's busy seconds. One loop serves every
+  replica, so the share grows with the replica count; at 100% the replicas wait on the loop.
+  `share_with_ray` adds, per turn, what a call costs the real loop beyond deciding (`--ray-call-ms`:
+  Ray's submit, wait and result, read from `bench serve-trace`'s loop CPU per call).
+`limit_replicas` per profile: the largest count measured whose share stays under `--share-limit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.common import log, machine_facts, write_json
+from benchmarks.serve_shapes import documents, serve_workflows
+from benchmarks.vllm_config import code_commit
+
+SHARE_LIMIT = 0.05  # the loop's own time, at most this share of a replica's busy time
+
+
+def run(args) -> dict:
+    import aaflow as af
+
+    if args.quick:
+        args.workflows, args.documents, args.replicas = 40, 8, [2, 8]
+    docs = documents(args.documents, args.doc_tokens)
+    report = {"benchmark": "loop-scale", "machine": machine_facts(), "code_commit": code_commit(),
+              "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "profiles": {}}
+    af.plan_load(serve_workflows(2, docs, 2), {"smollm2": 1}, hardware=args.hardware[0], progress=None)  # warm-up
+    for hardware in args.hardware:
+        rows = []
+        for replicas in args.replicas:
+            workflows = serve_workflows(args.workflows, docs, args.max_tokens)
+            p = af.plan_load(workflows, {"smollm2": replicas}, strategy=args.strategy, hardware=hardware,
+                             progress=None)
+            busy = sum(p.busy_s.values())
+            mean_busy = busy / replicas
+            row = {"replicas": replicas, "wall_s": p.wall_s, "busy_s": busy, "mean_replica_busy_s": mean_busy,
+                   "turns": p.turns, "loop_cpu_s": p.loop_cpu_s,
+                   "loop_cpu_per_turn_ms": 1e3 * p.loop_cpu_s / max(1, p.turns),
+                   "share": p.loop_cpu_s / mean_busy,
+                   "share_with_ray": (p.loop_cpu_s + p.turns * args.ray_call_ms / 1e3) / mean_busy,
+                   "workflows_per_min": p.workflows_per_min}
+            rows.append(row)
+            log(f"{hardware}, {replicas} replicas: wall {p.wall_s:.1f} s, {p.turns} turns, loop "
+                f"{p.loop_cpu_s:.2f} s CPU ({row['loop_cpu_per_turn_ms']:.2f} ms a turn), share of a replica's "
+                f"busy time {100 * row['share']:.1f}% ({100 * row['share_with_ray']:.1f}% with Ray's cost per call)")
+        under = [r["replicas"] for r in rows if r["share_with_ray"] < args.share_limit]
+        report["profiles"][hardware] = {"rows": rows, "limit_replicas": max(under) if under else None}
+    write_json(args.out, report)
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="40 workflows on 2 and 8 replicas")
+    p.add_argument("--replicas", type=int, nargs="+", default=[8, 32, 128])
+    p.add_argument("--workflows", type=int, default=1000)
+    p.add_argument("--documents", type=int, default=64)
+    p.add_argument("--doc-tokens", type=int, default=700)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--strategy", default="text")
+    p.add_argument("--hardware", nargs="+", default=["local-vm-amd-avx2", "h100"],
+                   help="hardware profiles (configs/hardware) to time calls with")
+    p.add_argument("--ray-call-ms", type=float, default=10.8,
+                   help="the real loop's CPU per replica call beyond deciding (bench serve-trace: loop CPU / calls)")
+    p.add_argument("--share-limit", type=float, default=SHARE_LIMIT)
+    p.add_argument("--out", default="results/loop-scale.json")
