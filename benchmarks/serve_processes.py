@@ -29,15 +29,15 @@ START_DELAY_S = 1.0  # from the last client's READY to the shared start
 READY_TIMEOUT_S = 300.0
 
 
-def deployment(temp_dir, dtype: str, deterministic: bool, pool: dict):
-    """A loopback Ray head with an `af.up` deployment of one SmolLM2 replica on it: (head, cluster)."""
+def deployment(temp_dir, dtype: str, deterministic: bool, pool: dict, replicas: int = 1):
+    """A loopback Ray head with an `af.up` deployment of `replicas` SmolLM2 replicas on it: (head, cluster)."""
     import aaflow as af
     from benchmarks.ray_head import start_head
 
     head = start_head(temp_dir)
     os.environ.update({k: v for k, v in head.env.items() if k.startswith("RAY_")})  # join it as its clients do
     try:
-        cluster = af.up({"smollm2": 1}, address=head.address, dtype=dtype, deterministic=deterministic, **pool)
+        cluster = af.up({"smollm2": replicas}, address=head.address, dtype=dtype, deterministic=deterministic, **pool)
     except BaseException:
         head.stop()
         raise

@@ -41,7 +41,7 @@ def check_listen(host: str, api_key: str | None, allow_no_key: bool) -> None:
 def require_key(app, api_key: str, refused) -> None:
     """Make `app` (FastAPI) answer 401 to every request but `OPEN_PATHS` that does not carry
     `Authorization: Bearer <api_key>`; `refused()` is called for each one refused."""
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse  # optional: aaflow[serve]
 
     expected = f"Bearer {api_key}".encode()
 
