@@ -3,7 +3,8 @@
 One row per shape of each `docs/results/serve*.json`: the CPU kind, the load, the clients, both
 sides' medians (throughput, p50 / p99 latency, prompt tokens computed) and the verdict against the
 serving targets: a burst over shared documents >= 1.3x vLLM's throughput with p50 and p99 no
-higher; a memory-pressured burst (as many documents as workflows) >= 1.5x; Poisson arrivals
+higher; a memory-pressured burst (as many documents as workflows) >= 1.5x, and >= 1.2x a vLLM
+client that knows the graph (`--vllm-graph-clients`, its own row, e.g. `vllm-graph-b32+capped`); Poisson arrivals
 p99 <= vLLM's; the HTTP endpoint (`--http`) within 15% of `af.submit`'s throughput on the same
 deployment. Runs of fewer than three repeats decide nothing. The vLLM column names the
 configuration the run kept (mode and KV block size, e.g. `vllm-graph-b32`).
@@ -19,15 +20,17 @@ import json
 from pathlib import Path
 
 BEGIN, END = "<!-- SERVE:BEGIN (aaflow report) -->", "<!-- SERVE:END -->"
-BURST_TARGET, PRESSURED_TARGET, HTTP_TARGET = 1.3, 1.5, 0.85
+BURST_TARGET, PRESSURED_TARGET, GRAPH_AWARE_TARGET, HTTP_TARGET = 1.3, 1.5, 1.2, 0.85
 HEADER = ("| run | CPU kind | load | clients | aaflow wf/min (p50 / p99) | vLLM wf/min (p50 / p99) | "
           "throughput ratio | prompt tokens computed (aaflow / vLLM) | verdict |\n|---|---|---|---|---|---|---|---|---|")
 
 
-def verdict(shape: str, settings: dict, row: dict) -> str:
-    """'met' or 'missed (...)' against the serving target of the shape; a run of fewer than three
-    repeats decides nothing ('indicative')."""
+def verdict(shape: str, settings: dict, row: dict, graph_aware: bool = False) -> str:
+    """'met' or 'missed (...)' against the serving target of the shape (against the graph-aware vLLM
+    client's side with `graph_aware`); a run of fewer than three repeats decides nothing ('indicative')."""
     ratio, http = row.get("throughput_ratio"), row.get("http_throughput_ratio")
+    if graph_aware:
+        ratio, http = row.get("graph_aware_throughput_ratio"), None
     if ratio is None and http is None:
         return "n/a (no vLLM side)"
     if settings.get("repeats", 0) < 3:
@@ -38,7 +41,7 @@ def verdict(shape: str, settings: dict, row: dict) -> str:
     if shape.startswith("poisson"):
         return "met" if p99 is not None and p99 <= 1 else "missed (p99)"
     pressured = settings.get("documents", 0) >= settings.get("workflows", 1)
-    target = PRESSURED_TARGET if pressured else BURST_TARGET
+    target = GRAPH_AWARE_TARGET if graph_aware else PRESSURED_TARGET if pressured else BURST_TARGET
     misses = [f"throughput < {target}x"] if ratio < target else []
     if not pressured:
         misses += [f"{q} above vLLM's" for q, r in (("p50", p50), ("p99", p99)) if r is None or r > 1]
@@ -62,12 +65,17 @@ def rows(path: Path) -> list[str]:
         clients += " (af.submit) and HTTP"
     out = []
     for shape, row in report.get("shapes", {}).items():
-        a, v = row.get("aaflow"), row.get("vllm")
-        ratio = row.get("throughput_ratio")
-        computed = f"{(a or {}).get('prompt_computed', 'n/a')} / {(v or {}).get('prompt_computed', 'n/a')}"
-        out.append(f"| {path.name} {shape} | {machine.get('cpu_kind', '?')} | {load} | {clients} | {_side(a)} | "
-                   f"{_side(v)} ({row.get('vllm_mode', '-')}) | {f'{ratio:.2f}x' if ratio else 'n/a'} | {computed} | "
-                   f"{verdict(shape, settings, row)} |")
+        a = row.get("aaflow")
+        sides = [(row.get("vllm"), row.get("vllm_mode", "-"), row.get("throughput_ratio"), False)]
+        if "graph_aware_best" in row:  # the plain client may not have been repeated (--no-vllm-plain)
+            label = row["graph_aware_best"]
+            sides = sides[:1] if "vllm" in row else []
+            sides.append((row["vllm_graph_aware"][label], label, row["graph_aware_throughput_ratio"], True))
+        for v, label, ratio, graph_aware in sides:
+            computed = f"{(a or {}).get('prompt_computed', 'n/a')} / {(v or {}).get('prompt_computed', 'n/a')}"
+            out.append(f"| {path.name} {shape} | {machine.get('cpu_kind', '?')} | {load} | {clients} | {_side(a)} | "
+                       f"{_side(v)} ({label}) | {f'{ratio:.2f}x' if ratio else 'n/a'} | {computed} | "
+                       f"{verdict(shape, settings, row, graph_aware)} |")
     return out
 
 

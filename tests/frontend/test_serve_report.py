@@ -45,3 +45,17 @@ def test_the_table_is_written_between_its_markers(tmp_path):
     assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "| serve_x.json burst | amd-avx2 |" in text and "1.50x" in text and "100 / 200" in text and "| met |" in text
     assert "(vllm-graph-b32)" in text and "serve_untuned.json" not in text
+
+
+def test_a_graph_aware_vllm_client_gets_its_own_row_and_target(tmp_path):
+    side = {"workflows_per_min": 8.0, "latency_p50_s": 360.0, "latency_p99_s": 470.0, "prompt_computed": 134000}
+    row = {"aaflow": side, "graph_aware_best": "vllm-graph-b32+capped", "graph_aware_throughput_ratio": 1.07,
+           "vllm_graph_aware": {"vllm-graph-b32+capped": {**side, "workflows_per_min": 7.5}}}
+    assert verdict("burst", PRESSURED, row, graph_aware=True) == "missed (throughput < 1.2x)"
+    assert verdict("burst", PRESSURED, {**row, "graph_aware_throughput_ratio": 1.25}, graph_aware=True) == "met"
+    report = {"machine": {"cpu_kind": "amd-avx2"}, "settings": {**PRESSURED, "doc_tokens": 2000, "dtype": "auto"},
+              "vllm_engines": {"vllm-graph-b32": {"block_size": 32}}, "shapes": {"burst": row}}
+    (tmp_path / "serve_mem.json").write_text(json.dumps(report))
+    text = table(tmp_path)
+    assert "(vllm-graph-b32+capped) | 1.07x |" in text and "missed (throughput < 1.2x)" in text
+    assert text.count("| serve_mem.json burst |") == 1  # the plain client was not repeated: no row of its own
