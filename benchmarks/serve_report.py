@@ -63,6 +63,8 @@ def rows(path: Path) -> list[str]:
     clients = f"{settings['processes']} processes" if settings.get("processes") else "threads"
     if settings.get("http"):
         clients += " (af.submit) and HTTP"
+    if settings.get("replicas", 1) > 1:  # both sides over HTTP; vLLM's side names its router policy
+        clients = f"HTTP, {settings['replicas']} replicas a side"
     out = []
     for shape, row in report.get("shapes", {}).items():
         a = row.get("aaflow")

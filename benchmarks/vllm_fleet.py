@@ -10,7 +10,8 @@ restarted to change policy, the instances stay loaded. `counters()` sums vLLM's 
 counters over the instances (preemptions, prefix-cache queries and hits).
 
 Every process runs in a session of its own, killed whole on `close()` (vLLM's engine-core and
-worker processes would otherwise keep spinning on the cores).
+worker processes would otherwise keep spinning on the cores); their output goes to files in a
+temporary folder (`log_dir`), whose tails are in every `VllmError`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -47,9 +49,10 @@ class VllmFleet:
             raise VllmError(f"{router} not found: run `bash benchmarks/setup_vllm_env.sh` (it installs vllm-router)")
         self.config, self.timeout_s = config, start_timeout_s
         self.procs: list[subprocess.Popen] = []
+        self.log_dir = Path(tempfile.mkdtemp(prefix="aaflow-vllm-fleet-"))  # each process's output, for errors
         self.router: subprocess.Popen | None = None
-        self.ports = free_ports(len(cores) + 1)
-        self.workers = [f"http://127.0.0.1:{p}" for p in self.ports[:-1]]
+        self.ports = free_ports(len(cores) + 2)  # the instances', the router's, the router's metrics
+        self.workers = [f"http://127.0.0.1:{p}" for p in self.ports[:-2]]
         try:
             for worker_cores, port in zip(cores, self.ports):
                 self.procs.append(self._spawn(
@@ -71,7 +74,7 @@ class VllmFleet:
     @property
     def url(self) -> str:
         """The router's OpenAI base URL."""
-        return f"http://127.0.0.1:{self.ports[-1]}/v1"
+        return f"http://127.0.0.1:{self.ports[-2]}/v1"
 
     def set_policy(self, policy: str) -> None:
         """(Re)start the router with `policy`; the instances stay loaded."""
@@ -80,7 +83,8 @@ class VllmFleet:
         self._stop(self.router)
         self.policy = policy
         self.router = self._spawn([str(VLLM_PYTHON.parent / "vllm-router"), "--host", "127.0.0.1", "--port",
-                                   str(self.ports[-1]), "--policy", policy, "--worker-urls", *self.workers,
+                                   str(self.ports[-2]), "--policy", policy, "--worker-urls", *self.workers,
+                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.ports[-1]),
                                    "--log-level", "warning"], {})
         self._wait_healthy(self.url.removesuffix("/v1"), self.router, path="/v1/models")
 
@@ -113,10 +117,10 @@ class VllmFleet:
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         environ = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # would override the bytes
-        log_path = Path(f"/tmp/aaflow-vllm-fleet-{os.getpid()}-{len(self.procs)}-{int(time.time())}.log")
-        out = open(log_path, "w")
-        proc = subprocess.Popen(argv, env={**environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        log_path = self.log_dir / f"{Path(argv[0]).name}-{len(self.procs)}-{int(time.time())}.log"
+        with open(log_path, "w") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, env={**environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         proc.log_path = log_path
         return proc
 
