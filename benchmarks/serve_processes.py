@@ -35,7 +35,9 @@ def deployment(temp_dir, dtype: str, deterministic: bool, pool: dict, replicas: 
     from benchmarks.ray_head import start_head
 
     head = start_head(temp_dir)
-    os.environ.update({k: v for k, v in head.env.items() if k.startswith("RAY_")})  # join it as its clients do
+    # join it as its clients do; the auth mode is left to `af.up` (Ray caches it at import: set in os.environ
+    # afterwards, it reads as a mode the user chose and is not refreshed)
+    os.environ.update({k: v for k, v in head.env.items() if k.startswith("RAY_") and k != "RAY_AUTH_MODE"})
     try:
         cluster = af.up({"smollm2": replicas}, address=head.address, dtype=dtype, deterministic=deterministic, **pool)
     except BaseException:
