@@ -129,7 +129,7 @@ def run(args) -> dict:
     if args.replicas > 1:  # N replicas over HTTP against N vllm serve behind vllm-router
         from benchmarks.serve_replicas import run_replicas
 
-        run_replicas(args, report, docs, loads, shapes)
+        run_replicas(args, report, loads, shapes)
         write_json(args.out, report)
         return report
     runners, best = tune_vllm(args, loads, shapes, report)

@@ -20,7 +20,7 @@ from benchmarks.common import log, wait_until_quiet
 from benchmarks.serve_shapes import arrivals, shape_key, warm_up_load
 
 
-def run_replicas(args, report: dict, docs: list, loads: dict, shapes: list) -> None:
+def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
     """Fill `report["shapes"]` with aaflow over HTTP against the tuned vLLM fleet, per shape."""
     from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes
     from benchmarks.http_load import HttpEndpoint
@@ -87,13 +87,14 @@ def _tune_fleet(args, loads: dict, shapes: list, kv_bytes: int, report: dict) ->
     """Every configuration x router policy runs each load once, one fleet at a time (each holds its
     KV pools); answers ({config label: fleet}, {shape key: "<config label>@<policy>"}), the fleets
     some shape keeps started again for the measured repeats."""
+    from aaflow.engine.dtypes import resolve_dtype
     from aaflow.models import resolve_model_path
     from benchmarks.vllm_config import grid
     from benchmarks.vllm_fleet import VllmFleet, split_cores
     from benchmarks.vllm_subprocess import VllmError
 
     cores, model = split_cores(args.replicas), str(resolve_model_path("smollm2", quiet=True))
-    dtype = args.vllm_dtype or _auto_dtype()
+    dtype = resolve_dtype(args.vllm_dtype or "auto")
     tuning: dict[str, dict[str, float]] = report.setdefault("vllm_tuning", {})
     engines, configs = report.setdefault("vllm_engines", {}), {c.label: c for c in grid(args.vllm_modes,
                                                                                            args.vllm_block_sizes)}
@@ -126,8 +127,3 @@ def _tune_fleet(args, loads: dict, shapes: list, kv_bytes: int, report: dict) ->
     best = {key: min(walls, key=walls.get) for key, walls in tuning.items()}
     return {label: start(configs[label]) for label in {b.split("@")[0] for b in best.values()}}, best
 
-
-def _auto_dtype() -> str:
-    from aaflow.engine.dtypes import resolve_dtype
-
-    return resolve_dtype("auto")
