@@ -123,8 +123,10 @@ def run(args) -> dict:
     report = {"benchmark": "serve", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "shapes": {}}
     eos_modes = [True, False] if args.both_eos else [True]
-    shapes = [("burst", None)] + [(f"poisson-{r:g}/s", r) for r in args.rates]
-    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos) for ignore_eos in eos_modes}
+    skew = f"skewed ({args.hot_documents} hot) " if args.hot_documents else ""
+    shapes = [(f"{skew}burst", None)] + [(f"{skew}poisson-{r:g}/s", r) for r in args.rates]
+    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos, args.hot_documents)
+             for ignore_eos in eos_modes}
     report["code_commit"] = code_commit()
     if args.replicas > 1:  # N replicas over HTTP against N vllm serve behind vllm-router
         from benchmarks.serve_replicas import run_replicas
@@ -229,7 +231,7 @@ def _clients(args, head, ignore_eos: bool):
     from benchmarks.serve_processes import run_processes
 
     load = {"workflows": args.workflows, "documents": args.documents, "doc_tokens": args.doc_tokens,
-            "max_tokens": args.max_tokens, "ignore_eos": ignore_eos}
+            "max_tokens": args.max_tokens, "ignore_eos": ignore_eos, "hot": args.hot_documents}
     return lambda _cluster, _workflows, offsets, strategy, sample: run_processes(
         head, load, offsets, strategy, args.processes, sample)
 
@@ -269,6 +271,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--documents", type=int, default=8)
     p.add_argument("--doc-tokens", type=int, default=700)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--hot-documents", type=int, default=0, metavar="H",
+                   help="the skewed shape: four workflows in five read one of the first H documents")
     p.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (workflows/s)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--processes", type=int, default=0,

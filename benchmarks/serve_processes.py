@@ -108,7 +108,7 @@ def _client(args: dict) -> list[dict]:
 
     load = args["load"]
     workflows = serve_workflows(load["workflows"], documents(load["documents"], load["doc_tokens"]),
-                                load["max_tokens"], load["ignore_eos"])
+                                load["max_tokens"], load["ignore_eos"], load.get("hot", 0))
     cluster = af.connect(args["address"])
     try:
         print(READY, flush=True)

@@ -35,6 +35,7 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
     endpoint = HttpEndpoint(head)
     try:
         aaflow_load(cluster, warm_up_load(), [0.0], args.strategy, None, endpoint.clients(True))  # kernels
+        warm_links(cluster)
         for ignore_eos, workflows in loads.items():
             for shape, rate in shapes:
                 key = shape_key(shape, ignore_eos)
@@ -45,14 +46,15 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
                     for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
                         wait_until_quiet()
                         if side == "aaflow":
-                            s = aaflow_load(cluster, workflows, offsets, args.strategy, None,
-                                            endpoint.clients(ignore_eos))
+                            s = _aaflow_load(cluster, workflows, offsets, args.strategy, endpoint.clients(ignore_eos))
                         else:
                             label, policy = side.split("@")
                             s = fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
                         samples.setdefault(side, []).append(s)
+                        moves = {k: v["count"] for k, v in s.get("prefix_decisions", {}).items()}
                         log(f"{key} rep {rep + 1} {side}: {s['completed']}/{len(workflows)} in {s['wall_s']:.2f} s, "
-                            f"p50 {s.get('latency_p50_s', 0):.2f} s, p99 {s.get('latency_p99_s', 0):.2f} s")
+                            f"p50 {s.get('latency_p50_s', 0):.2f} s, p99 {s.get('latency_p99_s', 0):.2f} s"
+                            + (f", prefixes {moves}" if moves else ""))
                 report["shapes"][key] = _compare({side: _medians(v) for side, v in samples.items()},
                                                  report.get("vllm_tuning", {}).get(key))
     finally:
@@ -64,6 +66,38 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
 
         af.down(head.address)
         head.stop()
+
+
+def warm_links(cluster) -> None:
+    """Move a small ref between every ordered pair of replicas over the default transport, untimed:
+    a NIXL agent connects to a peer on its first fetch from it (about a second here, then ~15 ms a
+    move), a one-off the measured loads should not pay, as vLLM's graphs are captured before."""
+    import aaflow as af
+
+    replicas = cluster.replicas()
+    for source in replicas:
+        for dest in replicas:
+            if dest is not source and dest.model == source.model:
+                ref = af.materialize(cluster, source.model, "A short text that warms the link.", replica=source)
+                af.free(af.transfer(ref, dest))
+                af.free(ref)
+
+
+def _aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, clients) -> dict:
+    """One load through `aaflow serve`: `aaflow_load`'s figures plus how the deployment's replicas
+    got the shared prefixes they lacked over it (moves and computations, the cost model's predicted
+    seconds against the measured ones: `aaflow.runtime.prefix_decisions`)."""
+    import ray
+
+    from aaflow.runtime.prefix_decisions import difference
+    from benchmarks.serve_bench import aaflow_load
+    from cluster.scheduler_actor import find_scheduler
+
+    loop = find_scheduler()
+    before = ray.get(loop.prefix_decisions.remote())
+    summary = aaflow_load(cluster, workflows, offsets, strategy, None, clients)
+    summary["prefix_decisions"] = difference(ray.get(loop.prefix_decisions.remote()), before)
+    return summary
 
 
 def fleet_load(fleet, policy: str, workflows: list, offsets: list[float], ignore_eos: bool) -> dict:

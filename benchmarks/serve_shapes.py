@@ -2,7 +2,8 @@
 
 Each workflow: agent `a` reads a document and answers; `c` reads the document and answers another
 question; `b` reads the document and `a`'s answer. Workflow i reads document i % documents, so
-with 64 workflows over 8 documents each document is read by 24 agents of 8 workflows. Arrival
+with 64 workflows over 8 documents each document is read by 24 agents of 8 workflows; in the
+skewed shape a few hot documents are read by four workflows in five. Arrival
 offsets: all at once (a burst), or Poisson at a rate (workflows per second, seeded).
 """
 
@@ -32,8 +33,20 @@ def documents(count: int, tokens: int) -> list[str]:
     return [context_text(tokens, 997 * k) for k in range(count)]
 
 
-def serve_workflows(count: int, docs: list[str], max_tokens: int, ignore_eos: bool = True) -> list:
-    return [serve_workflow(i, docs[i % len(docs)], max_tokens, ignore_eos) for i in range(count)]
+def serve_workflows(count: int, docs: list[str], max_tokens: int, ignore_eos: bool = True, hot: int = 0) -> list:
+    """`count` workflows over `docs`: workflow i reads document i % len(docs); with `hot` > 0 (the
+    skewed shape), four workflows in five read one of the first `hot` documents and the fifth one
+    of the others."""
+    return [serve_workflow(i, docs[document_of(i, len(docs), hot)], max_tokens, ignore_eos) for i in range(count)]
+
+
+def document_of(i: int, documents: int, hot: int = 0) -> int:
+    """The document workflow i reads (see `serve_workflows`)."""
+    if not hot:
+        return i % documents
+    if not 0 < hot < documents:
+        raise ValueError(f"--hot-documents must be between 1 and --documents - 1 ({documents - 1}), got {hot}")
+    return i % hot if i % 5 != 4 else hot + (i // 5) % (documents - hot)
 
 
 def warm_up_load() -> list:

@@ -20,6 +20,7 @@ import time
 import ray
 
 from cluster.cluster import DEPLOYMENT_NAMESPACE, Cluster
+from cluster.ray_backend import service_for
 from cluster.run_start import start_here
 
 ACTOR_NAME = "scheduler"
@@ -106,6 +107,11 @@ class SchedulerActor:
                 else:
                     answers[run_id] = (items, False, None)
         return answers
+
+    def prefix_decisions(self) -> dict[str, dict]:
+        """How the loop's replicas got the shared prefixes they lacked, per kind: moves and
+        computations, the cost model's predicted seconds against the measured ones."""
+        return service_for(self.cluster).scheduler.prefix_decisions()
 
     def cancel(self, run_id: str) -> None:
         with self.lock:

@@ -50,6 +50,10 @@ class CallQueues:
         self.last_kind: dict[str, CallKind] = {}
         self.step_first: set[str] = set()  # replicas whose mixed step was refused: they step alone next
 
+    def now(self) -> float:
+        """The backend's clock."""
+        return self.state.now()
+
     def call(self, replica: str, call: Call, then: Callable | None = None) -> None:
         """Queue `call` on `replica`; `then(value)` runs when it has ended."""
         self.queues[replica].append((call, then))
@@ -116,6 +120,8 @@ class CallQueues:
 
     def _start(self, name: str, call: Call, then: Callable | None) -> None:
         ticket = self.backend.submit(name, call)
+        if isinstance(then, Timed):
+            then.started_s = self.now()
         self.inflight[ticket] = then
         self.running.setdefault(name, set()).add(ticket)
         if not call.kind.bookkeeping:
@@ -178,3 +184,17 @@ class CallQueues:
 
 def _ignore(_value) -> None:
     return None
+
+
+class Timed:
+    """A call's callback that is told when its call was launched: the call's own time is then
+    `ran_s()` when the callback runs, however long it queued before."""
+
+    def __init__(self, then: Callable, clock: Callable[[], float]) -> None:
+        self.then, self.clock, self.started_s = then, clock, None
+
+    def __call__(self, value):
+        return self.then(value)
+
+    def ran_s(self) -> float:
+        return self.clock() - self.started_s if self.started_s is not None else 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from aaflow.runtime.call_queues import Timed
 from aaflow.runtime.calls import ExposeCall, ReceiveCall, ReleaseCall
 
 
@@ -30,12 +31,14 @@ def move_now(call: Callable, source, dest, ref_id: str, transport: str):
 @dataclass
 class MoveInFlight:
     """A move through the call queues: `handle` set once the source exposed the ref (until then a
-    failure has nothing to release)."""
+    failure has nothing to release); `ran_s` the expose's and the receive's own seconds (their
+    time queued behind other calls not counted)."""
 
     source: str
     dest: str
     transport: str
     handle: object = field(default=None)
+    ran_s: float = 0.0
 
     def release_call(self) -> ReleaseCall | None:
         """The call that ends the source's exposure (None if it has not exposed yet)."""
@@ -51,13 +54,16 @@ def start_move(queues, source: str, dest: str, ref_id: str, transport: str,
 
     def exposed(out) -> None:
         handle, shape, record = out
-        move.handle = handle
-        queues.call(dest, ReceiveCall(handle, shape, record, transport), then=done)
+        move.handle, move.ran_s = handle, expose.ran_s()
+        receive = Timed(lambda answer: done(answer, receive), queues.now)
+        queues.call(dest, ReceiveCall(handle, shape, record, transport), then=receive)
 
-    def done(answer) -> None:
+    def done(answer, receive: Timed) -> None:
+        move.ran_s += receive.ran_s()
         queues.call(source, ReleaseCall(move.handle, transport))
         move.handle = None  # released
         received(answer)
 
-    queues.call(source, ExposeCall(ref_id, transport), then=exposed)
+    expose = Timed(exposed, queues.now)
+    queues.call(source, ExposeCall(ref_id, transport), then=expose)
     return move

@@ -9,17 +9,16 @@ made of its parts (`prefix_compose`); the agents forking it carry the compose's 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.calls import Call, EvictCall, FreeCall, MaterializeCall, OpenCall
+from aaflow.runtime.call_queues import CallQueues, Timed
 from aaflow.runtime.kv_move import MoveInFlight, start_move
+from aaflow.runtime.prefix_decisions import PrefixDecisions
 from aaflow.runtime.prefix_compose import Compositions, pieces
 from aaflow.runtime.prefix_key import PlacedPrefix, PrefixKey
 from aaflow.runtime.scheduler_state import SchedulerState
-
-if TYPE_CHECKING:
-    from aaflow.runtime.call_queues import CallQueues
 
 
 class PrefixSharing:
@@ -42,6 +41,7 @@ class PrefixSharing:
         self.computed = 0  # tokens computed to materialize shared prefixes (no agent's own)
         self.computed_for: dict[str, int] = {}  # agent -> those tokens, counted for the first agent waiting
         self.fidelity: dict[PrefixKey, object] = {}  # prefix -> FidelityReport of a composed prefix
+        self.decisions = PrefixDecisions()  # how replicas got the prefixes they lacked
 
     def transport(self, waiting: list[AgentState] | None = None) -> str:
         """The transport a prefix moves over: its first waiting agent's run's, else the scheduler's,
@@ -72,6 +72,14 @@ class PrefixSharing:
     def on_its_way(self, prefix: PrefixKey) -> bool:
         """Something is still being computed or moved for `prefix` somewhere."""
         return any(k.prefix == prefix for k in self.waiters) or any(k.prefix == prefix for k in self.transferring)
+
+    def placed_at(self, prefix: PrefixKey) -> set[str]:
+        """The live replicas that hold `prefix` (resident), compute it or have it on its way."""
+        at = {r for r in self.refs.get(prefix, {}) if self.resident(prefix, r)}
+        at |= {k.replica for k in (*self.waiters, *self.transferring, *self.computing_here) if k.prefix == prefix}
+        if prefix in self.origin:
+            at.add(self.origin[prefix])
+        return at - self.state.dead
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""
@@ -110,7 +118,7 @@ class PrefixSharing:
         elif prefix not in self.origin:
             self.origin[prefix], self.origin_since[prefix] = rname, self.state.now()
             self.computing_here.add(PlacedPrefix(prefix, rname))
-            self._materialize(prefix, rname)
+            self._materialize(prefix, rname, "first")
         elif may_compute and self._sooner_here(prefix, self._ready_in(prefix)):
             self._compute_here(prefix, rname)
 
@@ -127,14 +135,23 @@ class PrefixSharing:
         self.computing_here.add(PlacedPrefix(prefix, rname))
         self.state.note(f"computing a prefix of {len(prefix.ids)} tokens on {rname}: sooner than moving it there "
                         "(cost model)")
-        self._materialize(prefix, rname)
+        self._materialize(prefix, rname, "compute")
 
-    def _materialize(self, prefix: PrefixKey, rname: str) -> None:
-        """Compute the prefix on `rname`: in one piece, or its contexts apart and then composed."""
+    def _materialize(self, prefix: PrefixKey, rname: str, kind: str) -> None:
+        """Compute the prefix on `rname` (a decision of `kind`: `prefix_decisions`): in one piece, or
+        its contexts apart and then composed."""
         if prefix.compose is None:
-            self.queues.call(rname, MaterializeCall(list(prefix.ids)),
-                             then=lambda rec: self._materialized(prefix, rname, rec))
+            costs, key = self.costs, PlacedPrefix(prefix, rname)
+
+            def materialized(record) -> None:
+                predicted = costs.compute_s(prefix.model, len(prefix.ids)) if costs is not None else None
+                self.decisions.record(kind, record.computed, 0, predicted, call.ran_s(), kind == "compute")
+                self._materialized(prefix, rname, record)
+
+            call = Timed(materialized, self.state.now)
+            self.queues.call(rname, MaterializeCall(list(prefix.ids)), then=call)
             return
+
         def composed(record, computed: int) -> None:
             self.fidelity[prefix] = record.fidelity
             self._count(prefix, rname, computed)
@@ -145,8 +162,15 @@ class PrefixSharing:
     def _transfer(self, prefix: PrefixKey, source: str, dest: str, ref_id: str) -> None:
         key = PlacedPrefix(prefix, dest)
 
+        costs, waiting = self.costs, self.waiters.get(key, [])
+        chosen = costs is not None and any(a.planned for a in waiting)  # else moved unasked
+
         def received(answer) -> None:
-            self.transferring.pop(key, None)
+            move = self.transferring.pop(key, None)
+            if move is not None:
+                predicted = costs.move_s(prefix.model, len(prefix.ids)) if costs is not None else None
+                self.decisions.record(f"move:{move.transport}", len(prefix.ids), answer[1].nbytes, predicted,
+                                      move.ran_s, chosen)
             self._ready(prefix, dest, answer[0].id, answer[1].nbytes, received=True)
 
         self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport(self.waiters.get(key)),
@@ -299,5 +323,5 @@ class PrefixSharing:
             if move.release_call():
                 self.queues.call(move.source, move.release_call())
             self.computing_here.add(key)
-            self._materialize(key.prefix, key.replica)
+            self._materialize(key.prefix, key.replica, "recompute-after-failed-move")
 

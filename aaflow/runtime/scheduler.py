@@ -107,6 +107,7 @@ class Scheduler(AgentLifecycle):
                     self.state.decoding[replica].remove(agent)
                 if agent in self.state.placed[replica]:  # not one waiting for its replica to come back
                     self.state.load[replica] -= 1
+                    self.placement.finished(agent)
                 self.queues.discard_prefills(replica, agent.sid)
                 if agent.state not in (AgentPhase.NEW, AgentPhase.ADMITTING) and replica not in self.state.dead:
                     self.queues.call(replica, CloseCall(agent.sid))
@@ -209,6 +210,11 @@ class Scheduler(AgentLifecycle):
     def events(self) -> list[str]:
         """What the loop did, in order (every run's)."""
         return self.state.events
+
+    def prefix_decisions(self) -> dict[str, dict]:
+        """How replicas got the shared prefixes they lacked, per kind, since the scheduler began
+        (`aaflow.runtime.prefix_decisions`)."""
+        return self.prefixes.decisions.snapshot()
 
     def is_dead(self, replica: str) -> bool:
         return replica in self.state.dead

@@ -82,6 +82,15 @@ class HintedWorkflows:
 
 
 @dataclass(frozen=True)
+class ServerPlan:
+    """The server's own strategy for a request's agent, given to `af.start` as the plan of an "auto"
+    run: the agent counts as planned, so where its replica lacks the shared prefix, the cost model
+    says whether it is moved there or computed there (a strategy a user names is followed as named)."""
+
+    decisions: dict[str, str]
+
+
+@dataclass(frozen=True)
 class RequestRun:
     """A request as a run: its workflow, the agent that answers, the strategy and run options."""
 
@@ -105,7 +114,8 @@ def request_run(builder: PromptBuilder, model: str, system: str | None, history:
     if hints is not None and hints.workflow_id:
         agent = hints.agent_id or agent
         shared = remembered.shared_prefix(hints.workflow_id, ids, header)
-        strategy = "transfer" if shared else "text"
+        if shared:
+            strategy, options["plan"] = "auto", ServerPlan({agent: "transfer"})
         if hints.ttl_s:
             options["keep_prefix_s"] = hints.ttl_s
     lead = shared or min(max(header, 1), len(ids) - 1)

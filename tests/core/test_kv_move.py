@@ -32,14 +32,18 @@ def test_move_now_releases_the_exposure_even_when_the_receive_fails():
 
 
 def test_a_queued_move_launches_each_call_after_the_previous_answer():
-    queued = []
-    queues = SimpleNamespace(call=lambda replica, call, then=None: queued.append((replica, call, then)))
+    queued, clock = [], [0.0]
+    queues = SimpleNamespace(call=lambda replica, call, then=None: queued.append((replica, call, then)),
+                             now=lambda: clock[0])
     got = []
     move = start_move(queues, "src", "dst", "ref1", "ray", got.append)
     assert [q[:2] for q in queued] == [("src", ExposeCall("ref1", "ray"))] and move.release_call() is None
+    queued[0][2].started_s, clock[0] = 1.0, 1.5  # launched after queueing 1 s, answered 0.5 s later
     queued[0][2](("h", "shape", "rec"))  # exposed
     assert queued[1][:2] == ("dst", ReceiveCall("h", "shape", "rec", "ray"))
     assert move.release_call() == ReleaseCall("h", "ray")  # a failure now must release it
+    queued[1][2].started_s, clock[0] = 2.0, 2.25
     queued[1][2](("record", "stats"))  # received
     assert queued[2][:2] == ("src", ReleaseCall("h", "ray")) and got == [("record", "stats")]
     assert move.release_call() is None  # released already
+    assert move.ran_s == pytest.approx(0.75)  # the two calls' own time, not their time queued

@@ -26,7 +26,8 @@ def _costs(bytes_per_s: float, slowdown: float = 1.5, lent: float = 1.0) -> Pref
 
 def _sharing(costs: PrefixCosts | None, now: float = 0.0) -> tuple[PrefixSharing, list]:
     calls: list = []
-    queues = SimpleNamespace(replicas=["r0", "r1"], call=lambda replica, call, then=None: calls.append((replica, call)))
+    queues = SimpleNamespace(replicas=["r0", "r1"], call=lambda replica, call, then=None: calls.append((replica, call)),
+                             now=lambda: now)
     backend = SimpleNamespace(replicas=lambda: [], now=lambda: now, prefix_costs=lambda: costs)
     return PrefixSharing(SchedulerState(backend), queues, "ray", forked=lambda agent, n: None), calls
 

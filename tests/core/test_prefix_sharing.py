@@ -42,8 +42,8 @@ def test_a_composed_prefix_made_on_two_replicas_at_once_keeps_both_compositions(
     prefix = PrefixKey("model", (1, 2, 3), ("exact", 0, (1, 2)))
     at_r1, at_r2 = object(), object()
     sharing.waiters[PlacedPrefix(prefix, "r1")], sharing.waiters[PlacedPrefix(prefix, "r2")] = [at_r1], [at_r2]
-    sharing._materialize(prefix, "r1")
-    sharing._materialize(prefix, "r2")
+    sharing._materialize(prefix, "r1", "first")
+    sharing._materialize(prefix, "r2", "first")
     assert sharing.materialize_refused("r1", [2, 3]) == [at_r1]
     assert list(sharing.compositions.parts) == [PlacedPrefix(prefix, "r2")] and list(sharing.waiters) == [PlacedPrefix(prefix, "r2")]
     r2_calls = [c for c in calls if c[0] == "r2"]
@@ -60,7 +60,7 @@ def test_a_refused_part_of_a_composed_prefix_frees_the_parts_made_and_hands_back
     waiter = object()
     sharing.waiters[PlacedPrefix(prefix, "r0")] = [waiter]
     sharing.origin[prefix] = "r0"
-    sharing._materialize(prefix, "r0")
+    sharing._materialize(prefix, "r0", "first")
     assert [call for call, _ in calls] == [MaterializeCall([1, 2]), MaterializeCall([3, 4, 5]), MaterializeCall([6])]
     made_first, made_last = calls[0][1], calls[2][1]
     made_first(SimpleNamespace(id="part0"))
