@@ -150,10 +150,10 @@ def run(args) -> dict:
     from cluster.ray_backend import service_for
 
     docs = documents(args.documents, args.doc_tokens)
-    workflows = serve_workflows(args.workflows, docs, args.max_tokens)
+    workflows = serve_workflows(args.workflows, docs, args.max_tokens, hot=args.hot_documents)
     report = {"benchmark": "serve-trace", "machine": machine_facts(), "code_commit": code_commit(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}}
-    cluster = af.init(replicas={"smollm2": 1}, dtype=args.dtype)
+    cluster = af.init(replicas={"smollm2": args.replicas}, dtype=args.dtype)
     try:
         af.run(warm_up_load()[0], cluster, strategy=args.strategy)  # kernels
         for wf in workflows[:len(docs)]:
@@ -167,8 +167,12 @@ def run(args) -> dict:
         calls = recorder.close()
         logs = {r.name: [e for e in ray.get(r.actor.call_log.remote(begin)) if e[0] != "clear_prefix_cache"]
                 for r in replicas}
-        report["aaflow"] = breakdown(matched(calls, logs), begin, out["wall_s"])
+        both = matched(calls, logs)
+        report["aaflow"] = breakdown(both, begin, out["wall_s"])  # with several replicas: their gaps interleave
         report["aaflow"]["loop_cpu_s"] = loop.cpu_s - cpu0
+        if len(replicas) > 1:
+            report["aaflow"]["per_replica"] = {r.name: breakdown([c for c in both if c["replica"] == r.name], begin,
+                                                                 out["wall_s"]) for r in replicas}
     finally:
         cluster.shutdown()
     if args.vllm:
@@ -196,6 +200,9 @@ def _print(report: dict) -> None:
     log(f"aaflow: wall {a['wall_s']:.2f} s, replica busy {a['replica_busy_s']:.2f} s, before the first call "
         f"{a['before_first_call_s']:.2f} s, loop-not-sent gaps {a['gaps_loop_not_sent_s']:.2f} s, dispatch gaps "
         f"{a['gaps_in_dispatch_s']:.2f} s, loop CPU {a['loop_cpu_s']:.2f} s")
+    for name, r in a.get("per_replica", {}).items():
+        log(f"  {name}: busy {r['replica_busy_s']:.2f} s, loop-not-sent gaps {r['gaps_loop_not_sent_s']:.2f} s, "
+            f"dispatch gaps {r['gaps_in_dispatch_s']:.2f} s, after its last call {r['after_last_call_s']:.2f} s")
     for kind, k in sorted(a["by_kind"].items(), key=lambda kv: -kv[1]["seconds"]):
         log(f"  {kind:12s} {k['calls']:5d} calls {k['seconds']:7.2f} s  rows {k['rows']:6d}  prompt tokens "
             f"{k['tokens']:6d} (computed {k['computed']})")
@@ -213,7 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--documents", type=int, default=8)
     p.add_argument("--doc-tokens", type=int, default=700)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--hot-documents", type=int, default=0, metavar="H", help="the skewed shape (see bench serve)")
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--replicas", type=int, default=1, help="aaflow replicas (the machine's cores split among them)")
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
     p.add_argument("--vllm-mode", default="graph", choices=list(MODES))
     p.add_argument("--vllm-block-size", type=int, default=32)

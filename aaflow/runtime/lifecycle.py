@@ -16,7 +16,7 @@ from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.call_queues import CallQueues
 from aaflow.runtime.calls import CloseCall, OpenCall, PrefillCall
 from aaflow.runtime.feeding import consume, feedable
-from aaflow.runtime.placement import Placement, predicted_tokens
+from aaflow.runtime.placement import Placement
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.runtime.scheduler_state import SchedulerState
@@ -60,9 +60,8 @@ class AgentLifecycle:
         if not alive:
             raise AgentFailedError(f"agent {agent.name!r}: no live replica serves {agent.model!r}", [agent.name])
         self.recovery.awaiting.pop(agent.name, None)
-        has_prefix = self.prefixes.placed_at(agent.prefix_key)
-        best = self.placement.choose(agent, alive, has_prefix, bool(has_prefix), self.admission.fits,
-                                     self.prefixes.costs, predicted_tokens(agent, self.answer_tokens))
+        best = self.placement.choose(agent, alive, self.state.load, self.prefixes.refs.get(agent.prefix_key, {}),
+                                     self.admission.fits)
         if agent.replica is not None and agent in self.state.placed[agent.replica]:
             self.state.placed[agent.replica].remove(agent)
             self.state.load[agent.replica] -= 1
@@ -75,13 +74,6 @@ class AgentLifecycle:
         agent.start_s = self.now()
         return True
 
-    def answer_tokens(self, name: str) -> int:
-        """Tokens agent `name`'s answer has (once done) or may have (its `max_tokens`)."""
-        upstream = self.state.agents.get(name)
-        if upstream is None:
-            return 0
-        return len(upstream.output) if upstream.state == AgentPhase.DONE else upstream.max_tokens
-
     def revived(self, rname: str) -> None:
         """A lost replica was restarted (empty): it takes agents again; its agents were restarted
         elsewhere when it died."""
@@ -89,7 +81,6 @@ class AgentLifecycle:
         self.state.dead.discard(rname)
         self.state.placed[rname] = [a for a in self.state.placed[rname] if a.state == AgentPhase.DONE]
         self.state.load[rname], self.state.decoding[rname] = 0, []
-        self.placement.emptied(rname)
         self.admission.ungate(rname)
 
     def open(self, agent: AgentState) -> None:
@@ -205,7 +196,6 @@ class AgentLifecycle:
         agent.state, agent.end_s = AgentPhase.DONE, t
         self.unfinished -= 1
         self.state.load[agent.replica] -= 1
-        self.placement.finished(agent)
         self.state.decoding[agent.replica].remove(agent)
         self.queues.call(agent.replica, CloseCall(agent.sid))
         for consumer in self.state.readers[agent.name]:  # before its release: they wait for room with its prefix held

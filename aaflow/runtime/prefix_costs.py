@@ -48,14 +48,6 @@ class PrefixCosts:
         """One prefill of `tokens` from nothing."""
         return self.compute[model].prefill_time(tokens)
 
-    def agent_s(self, model: str, prefix: int, rest: int, decode: int) -> float:
-        """An agent's own work on a replica that has its `prefix` tokens: the prefill of the `rest`
-        of its prompt and its share of `decode` batched decode steps (the per-sequence terms; the
-        steps' fixed cost is shared with the batch)."""
-        profile = self.compute[model]
-        context = prefix + rest + decode / 2
-        return profile.prefill_time(rest, prefix) + decode * (profile.decode_s_per_seq + profile.decode_s_per_seq_ctx * context)
-
     def move_s(self, model: str, tokens: int) -> float:
         """The source copying the KV of `tokens` out (unless the link reads it in place) and the link moving it."""
         nbytes = tokens * self.kv_bytes_per_token[model]

@@ -7,6 +7,8 @@ seconds beside the measured ones, per kind:
 * `first`: computed where no replica had it (no choice to make);
 * `recompute-after-failed-move`: a move failed and the destination computed it.
 
+A computation is priced at the tokens it computed (the replica's prefix cache may have had some).
+
 `chosen` counts the moves and computations the cost model decided (an agent whose strategy is the
 planner's, with a calibrated profile); a strategy the user named, or no profile, moves unasked.
 """

@@ -15,8 +15,8 @@ from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.calls import Call, EvictCall, FreeCall, MaterializeCall, OpenCall
 from aaflow.runtime.call_queues import CallQueues, Timed
 from aaflow.runtime.kv_move import MoveInFlight, start_move
-from aaflow.runtime.prefix_decisions import PrefixDecisions
 from aaflow.runtime.prefix_compose import Compositions, pieces
+from aaflow.runtime.prefix_decisions import PrefixDecisions
 from aaflow.runtime.prefix_key import PlacedPrefix, PrefixKey
 from aaflow.runtime.scheduler_state import SchedulerState
 
@@ -72,14 +72,6 @@ class PrefixSharing:
     def on_its_way(self, prefix: PrefixKey) -> bool:
         """Something is still being computed or moved for `prefix` somewhere."""
         return any(k.prefix == prefix for k in self.waiters) or any(k.prefix == prefix for k in self.transferring)
-
-    def placed_at(self, prefix: PrefixKey) -> set[str]:
-        """The live replicas that hold `prefix` (resident), compute it or have it on its way."""
-        at = {r for r in self.refs.get(prefix, {}) if self.resident(prefix, r)}
-        at |= {k.replica for k in (*self.waiters, *self.transferring, *self.computing_here) if k.prefix == prefix}
-        if prefix in self.origin:
-            at.add(self.origin[prefix])
-        return at - self.state.dead
 
     def waiting_agents(self) -> set[int]:
         """ids of the agents waiting for a prefix to arrive."""
@@ -141,10 +133,10 @@ class PrefixSharing:
         """Compute the prefix on `rname` (a decision of `kind`: `prefix_decisions`): in one piece, or
         its contexts apart and then composed."""
         if prefix.compose is None:
-            costs, key = self.costs, PlacedPrefix(prefix, rname)
+            costs = self.costs
 
-            def materialized(record) -> None:
-                predicted = costs.compute_s(prefix.model, len(prefix.ids)) if costs is not None else None
+            def materialized(record) -> None:  # priced at the tokens computed (the prefix cache may have had some)
+                predicted = costs.compute_s(prefix.model, record.computed) if costs is not None else None
                 self.decisions.record(kind, record.computed, 0, predicted, call.ran_s(), kind == "compute")
                 self._materialized(prefix, rname, record)
 
@@ -161,7 +153,6 @@ class PrefixSharing:
 
     def _transfer(self, prefix: PrefixKey, source: str, dest: str, ref_id: str) -> None:
         key = PlacedPrefix(prefix, dest)
-
         costs, waiting = self.costs, self.waiters.get(key, [])
         chosen = costs is not None and any(a.planned for a in waiting)  # else moved unasked
 
@@ -173,7 +164,7 @@ class PrefixSharing:
                                       move.ran_s, chosen)
             self._ready(prefix, dest, answer[0].id, answer[1].nbytes, received=True)
 
-        self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport(self.waiters.get(key)),
+        self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport(waiting),
                                             received)
 
     def _count(self, prefix: PrefixKey, rname: str, tokens: int) -> None:

@@ -107,7 +107,6 @@ class Scheduler(AgentLifecycle):
                     self.state.decoding[replica].remove(agent)
                 if agent in self.state.placed[replica]:  # not one waiting for its replica to come back
                     self.state.load[replica] -= 1
-                    self.placement.finished(agent)
                 self.queues.discard_prefills(replica, agent.sid)
                 if agent.state not in (AgentPhase.NEW, AgentPhase.ADMITTING) and replica not in self.state.dead:
                     self.queues.call(replica, CloseCall(agent.sid))

@@ -46,3 +46,14 @@ def test_a_load_through_the_router_under_two_policies(fleet):
 def test_a_policy_the_router_does_not_have_is_refused(fleet):
     with pytest.raises(ValueError, match="use one of"):
         fleet.set_policy("fastest")
+
+
+def test_a_missing_router_is_named_with_the_command_that_installs_it(tmp_path, monkeypatch):
+    """Runs without vLLM: the fleet checks for vllm-router before it starts any instance."""
+    import benchmarks.vllm_fleet as vllm_fleet
+    from benchmarks.vllm_config import VllmConfig
+    from benchmarks.vllm_subprocess import VllmError
+
+    monkeypatch.setattr(vllm_fleet, "VLLM_PYTHON", tmp_path / "bin" / "python")  # a venv without vllm-router
+    with pytest.raises(VllmError, match=r"vllm-router not found: run `bash benchmarks/setup_vllm_env.sh`"):
+        vllm_fleet.VllmFleet("model", VllmConfig("graph", 32), [[0], [1]], 1 << 30, "float32")

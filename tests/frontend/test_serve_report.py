@@ -21,6 +21,9 @@ def test_verdicts_follow_the_targets_of_each_shape():
     assert verdict("burst", BURST, _row(1.3, p99=1.05)) == "missed (p99 above vLLM's)"
     assert verdict("burst", PRESSURED, _row(1.3)) == "missed (throughput < 1.5x)"
     assert verdict("burst", PRESSURED, _row(1.6, p50=1.2)) == "met"  # latency is not its target
+    skewed = {**BURST, "hot_documents": 2}
+    assert verdict("skewed (2 hot) burst", skewed, _row(1.4)) == "missed (throughput < 1.5x)"
+    assert verdict("skewed (2 hot) burst", skewed, _row(1.55)) == "met"
     assert verdict("poisson-2/s", BURST, _row(0.8, p99=0.95)) == "met"
     assert verdict("poisson-2/s", BURST, _row(1.5, p99=1.01)) == "missed (p99)"
     assert verdict("burst", BURST, {}) == "n/a (no vLLM side)"
