@@ -37,7 +37,7 @@ import statistics
 
 from aaflow.progress import Stages
 from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
-from benchmarks.serve_load import run_threads
+from benchmarks.serve_load import prompt_computed_by_replicas, replicas_computed, run_threads
 from benchmarks.serve_shapes import arrivals, documents, percentile, serve_workflows, shape_key, warm_up_load
 from benchmarks.vllm_config import BLOCK_SIZES, GRAPH_CLIENTS, MODES, code_commit
 from benchmarks.vllm_fleet import ROUTER_POLICIES
@@ -82,9 +82,12 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
     ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])  # cold, as vLLM's side is
     local = clients is run_threads and getattr(cluster, "scheduler", None) is None  # a deployment's loop: its actor
     loop = service_for(cluster) if local else None
-    cpu_before = loop.cpu_s if loop else 0.0
+    cpu_before, computed_before = loop.cpu_s if loop else 0.0, replicas_computed(cluster)
     out = clients(cluster, workflows, offsets, strategy, sample)
     summary = summarize(out["rows"], out["wall_s"])
+    computed_after = replicas_computed(cluster)
+    prompt_computed_by_replicas(summary, None if computed_after is None else computed_after - computed_before,
+                                 workflows, out["rows"])
     summary["kv_peak_blocks"] = peak
     if loop is not None:  # the share of one core the scheduling loop used: how many replicas one loop drives
         summary["loop_cpu_s"] = loop.cpu_s - cpu_before

@@ -1,4 +1,5 @@
-"""aaflow's side of `aaflow bench serve`: a load of workflows from client threads or processes.
+"""aaflow's side of `aaflow bench serve`: a load of workflows from client threads or processes, and
+the prompt tokens the replicas computed for it (their engines' counters).
 
 Each workflow is run by its own client (a thread calling `af.run`, or `af.submit` from one of
 several processes on a deployment), started at its arrival offset. Its latency runs from its
@@ -62,3 +63,27 @@ def row_of(res, arrived: float, ended: float) -> dict:
             "generated": sum(a.decoded for a in res.agents.values()),
             "prompt_computed": m["prefill_computed"], "prompt_reused": m["prefill_reused"],
             "restarts": sum(a.restarts for a in res.agents.values())}
+
+
+def replicas_computed(cluster) -> int | None:
+    """Tokens the cluster's built-in replicas have computed (prompt tokens and decode rows), by their
+    engines' counters; None with vLLM replicas (their counter holds prompt tokens only)."""
+    import ray
+
+    if any(r.engine != "builtin" for r in cluster.replicas()):
+        return None
+    return sum(stats["tokens_computed"] for stats in ray.get([r.actor.stats.remote() for r in cluster.replicas()]))
+
+
+def prompt_computed_by_replicas(summary: dict, computed: int | None, workflows: list, rows: list) -> None:
+    """`summary["prompt_computed"]` as the replicas computed it: every token their engines computed
+    less the decode rows (each agent's tokens but the first, which its prefill gives). A request's
+    usage counts a shared prefix that a separate call materialized as reused, so the clients' sum
+    (kept as `prompt_computed_by_requests`) leaves those tokens out; vLLM's side counts from its
+    engines' prefix-cache counters, as this does."""
+    done = [wf for wf, r in zip(workflows, rows) if r and "error" not in r]
+    if len(done) != len(workflows) or summary.get("restarts") or computed is None:
+        return  # decode rows of failed or restarted agents are unknown: keep the clients' figure
+    decode_rows = summary["generated_tokens"] - sum(len(wf.agents()) for wf in workflows)
+    summary["prompt_computed_by_requests"] = summary["prompt_computed"]
+    summary["prompt_computed"] = computed - decode_rows

@@ -10,15 +10,16 @@ import itertools
 import torch
 
 from aaflow.engine.attention_paths import AttentionPaths
-from aaflow.engine.block_manager import BlockManager, BlockStats, full_block_hashes
+from aaflow.engine.block_manager import BlockManager, BlockStats
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
 from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.model import LlamaModel
+from aaflow.engine.prefix_reuse import PrefixReuse
 from aaflow.engine.sequence import Sequence, padded_slots
 from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
 
 
-class KVRunner(KVImportExport):
+class KVRunner(PrefixReuse, KVImportExport):
     def __init__(self, model: LlamaModel, layout: KVLayout, fingerprint: str, prefix_caching: bool = True) -> None:
         self.model = model
         self.layout = layout
@@ -103,29 +104,13 @@ class KVRunner(KVImportExport):
             seq.last_hash = self.blocks.seal(seq.block_table[i], seq.last_hash, tokens)
             seq.num_sealed += 1
 
-    def _reuse_prefix(self, seq: Sequence, token_ids: list[int]) -> int:
-        """On an empty sequence, adopt cached blocks of the longest matching prefix; returns tokens reused."""
-        if not self.prefix_caching or len(seq):
-            return 0
-        matched, last_hash = self.blocks.match_prefix(token_ids)
-        reserved = self.blocks.count_cached_free(matched)
-        n = len(matched) * self.layout.block_size
-        self.blocks.check_capacity(self.blocks.blocks_needed(n, len(token_ids) - n), reserved)
-        for block in matched:
-            self.blocks.share(block)
-        seq.block_table = list(matched)
-        seq.token_ids = list(token_ids[:n])
-        seq.num_sealed, seq.last_hash = len(matched), last_hash
-        self.blocks.tokens_reused += n
-        return n
-
     def prefill(self, seq_id: int, token_ids: list[int], chunk_size: int | None = None,
                 all_logits: bool = False, reuse_prefix: bool = True) -> torch.Tensor:
         """Append `token_ids` at the next positions of a sequence; returns the last token's logits [vocab]
         (with `all_logits`, the logits of every computed token: [n_computed, vocab]).
 
-        An empty sequence first reuses the longest cached prefix (unless `reuse_prefix` is False:
-        the text-passing baseline computes everything). `chunk_size` splits the work into
+        The cached blocks that continue the sequence are reused first (`PrefixReuse`; not with
+        `reuse_prefix` False: the text-passing baseline computes everything). `chunk_size` splits the work into
         forward passes of at most that many tokens (incremental prefill); results equal one pass.
         Capacity is checked before anything changes: on `KVCapacityError` the sequence is untouched.
         """
@@ -152,7 +137,7 @@ class KVRunner(KVImportExport):
         logits [n, vocab] and how many of its tokens came from the prefix cache.
 
         Each sequence gets what `prefill` would give it, prefix-cache reuse included
-        (`reuse_prefix[i]`, default True): a new sequence whose next full block another member of
+        (`reuse_prefix[i]`, default True): a member whose next full block another member of
         the pack is about to compute waits for the next pass and then reuses it, so a prefix shared
         inside the pack is computed once. Capacity is checked before anything changes."""
         reuse = list(reuse_prefix) if reuse_prefix is not None else [True] * len(seq_ids)
@@ -179,44 +164,6 @@ class KVRunner(KVImportExport):
             for i, row in zip(wave, self._forward_chunks([seqs[i] for i in wave], remaining)):
                 logits[i] = row
         return torch.stack(logits), reused  # [n, vocab]
-
-    def _looks_up_prefix(self, seq: Sequence, reuse: bool) -> bool:
-        """Whether prefilling `seq` starts with a prefix-cache lookup (as `_reuse_prefix` does)."""
-        return reuse and self.prefix_caching and not len(seq)
-
-    def _next_wave(self, seqs, lists, reuse, pending: list[int]) -> tuple[list[int], list[int]]:
-        """Split `pending` into the members computed in this pass and those that wait, because an
-        earlier member of this pass computes (and caches) the next full block of their prefix."""
-        bs = self.layout.block_size
-        wave, later = [], []
-        for j in pending:
-            waits = False
-            if self._looks_up_prefix(seqs[j], reuse[j]):
-                end = (len(self.blocks.match_prefix(lists[j])[0]) + 1) * bs  # end of j's next full block
-                waits = len(lists[j]) > end and any(
-                    seqs[i].cacheable and (seqs[i].token_ids + lists[i])[:end] == lists[j][:end] for i in wave)
-            (later if waits else wave).append(j)
-        return wave, later
-
-    def _check_packed_capacity(self, seqs, lists, reuse) -> None:
-        """Blocks the pack needs, counting a prefix block as needed once: whether the cache holds it
-        or an earlier new member of the pack computes (and seals) it, as `_next_wave` arranges."""
-        bs = self.layout.block_size
-        needed, adopted, planned = 0, set(), set()  # planned: chain hashes earlier members will seal
-        for seq, ids, r in zip(seqs, lists, reuse):
-            if not self._looks_up_prefix(seq, r):
-                needed += self._blocks_to_grow([seq], len(ids))
-                continue
-            matched = self.blocks.match_prefix(ids)[0]
-            adopted.update(matched)
-            hashes = full_block_hashes(ids, bs)
-            shared = len(matched)
-            while shared < (len(ids) - 1) // bs and hashes[shared] in planned:
-                shared += 1
-            needed += self.blocks.blocks_needed(shared * bs, len(ids) - shared * bs)
-            if seq.cacheable:
-                planned.update(hashes)
-        self.blocks.check_capacity(needed, self.blocks.count_cached_free(list(adopted)))
 
     def _forward_chunk(self, seq: Sequence, chunk: list[int], all_logits: bool = False) -> torch.Tensor:
         return self._forward_chunks([seq], [chunk], all_logits)

@@ -183,3 +183,19 @@ def test_regression_sides_take_turns_and_name_what_is_over_the_tolerance():
     assert row["within_tolerance"] and not row["same_tokens"]
     with pytest.raises(SystemExit, match="not a commit"):
         resolve_revision("no-such-revision-anywhere")
+
+
+def test_prompt_tokens_computed_come_from_the_replicas_counters():
+    """A shared prefix materialized by its own call counts as computed (the requests' usage calls it
+    reused); decode rows (each agent's tokens but the first) are taken out."""
+    from benchmarks.serve_load import prompt_computed_by_replicas
+    from benchmarks.serve_shapes import documents, serve_workflows
+
+    workflows = serve_workflows(2, documents(1, 50), 4)  # 2 x 3 agents, 4 tokens each
+    rows = [{"latency_s": 1.0}] * 2
+    summary = {"generated_tokens": 24, "prompt_computed": 30, "restarts": 0}
+    prompt_computed_by_replicas(summary, 500, workflows, rows)
+    assert (summary["prompt_computed"], summary["prompt_computed_by_requests"]) == (500 - (24 - 6), 30)
+    kept = {"generated_tokens": 24, "prompt_computed": 30, "restarts": 1}
+    prompt_computed_by_replicas(kept, 500, workflows, rows)  # a restart's decode rows are unknown
+    assert kept["prompt_computed"] == 30 and "prompt_computed_by_requests" not in kept
