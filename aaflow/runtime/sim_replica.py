@@ -1,7 +1,8 @@
 """A replica on the simulated clock: what a call would take and answer, from a compute profile.
 
 It keeps what decides the cost of the next call: each session's KV length, the prefix cache
-(whole blocks of the prompts prefilled so far), the shared refs. Call costs: every call pays
+(whole blocks of the prompts prefilled so far, a fork of a ref's continuing it as the engine's
+`PrefixReuse` does), the shared refs. Call costs: every call pays
 `overhead_s`; a prefill of n new tokens after c held ones costs `prefill_time(n, c)`; a packed
 prefill pays the overhead once and the fixed prefill term once per forward pass (a second pass
 where a member reuses what an earlier member computes); a decode step `decode_step_time(batch,
@@ -39,6 +40,7 @@ class _Session:
     tokens: int = 0  # KV tokens held
     key: object = None  # what its shared blocks are counted under: their first block
     shared: int = 0  # of its tokens, those in blocks shared with other sessions or refs
+    ids: list[int] | None = None  # its token ids while known (a ref's and its prompt's; None once it decoded)
 
 
 class _Ledger:
@@ -135,11 +137,17 @@ class SimReplica:
         """Cost of prefilling `ids` into session `sid` (None: a new ref) in call number `call`:
         seconds, tokens served by the prefix cache, what its shared blocks are counted under
         (their first block), whether the hit is on blocks an earlier member of the call computes."""
-        held = self.sessions[sid].tokens if sid is not None else 0
+        session = self.sessions[sid] if sid is not None else None
+        held = session.tokens if session is not None else 0
         hit, fresh_hit = 0, False
         if held == 0:
             common, fresh_hit = self._walk(ids, call)
             hit = min(common, (len(ids) - 1) // self.block * self.block) if reuse else 0
+            fresh_hit = fresh_hit and hit > 0
+        elif reuse and session.ids is not None:  # a fork of a ref continues from the cache as well
+            whole = session.ids + list(ids)
+            common, fresh_hit = self._walk(whole, call)
+            hit = max(0, min(common, (len(whole) - 1) // self.block * self.block) - held)
             fresh_hit = fresh_hit and hit > 0
         self.computed += len(ids) - hit
         seconds = self.overhead + self.compute.prefill_time(len(ids) - hit, held + hit)
@@ -150,7 +158,7 @@ class SimReplica:
         ids, key = self.refs[fork_of] if fork_of else ((), None)
 
         def apply() -> None:
-            self.sessions[sid] = _Session(len(ids), key, len(ids))
+            self.sessions[sid] = _Session(len(ids), key, len(ids), list(ids))
             if ids:
                 self.ledger.share(key, len(ids))
 
@@ -197,6 +205,8 @@ class SimReplica:
                         self.ledger.share(key, s.shared)
                         self.ledger.own -= s.shared
                 s.tokens += len(r.token_ids)
+                if s.ids is not None:
+                    s.ids.extend(r.token_ids)
                 self.ledger.own += len(r.token_ids)
 
         return seconds, answers, apply
@@ -218,6 +228,7 @@ class SimReplica:
         def apply() -> None:
             for s in sessions:
                 s.tokens += count
+                s.ids = None  # its generated ids are not tracked: later segments are not looked up
             self.ledger.own += len(sids) * count
 
         tokens = [[next_token() for _ in range(count)] for _ in sids]

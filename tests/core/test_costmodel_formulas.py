@@ -229,3 +229,24 @@ def test_costmodel_imports_no_ray_or_torch():
             "print(sorted(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_simulated_fork_of_a_ref_reuses_what_an_earlier_fork_computed():
+    """As the engine's `PrefixReuse`: the second fork continuing a document with the same words pays
+    only for the words past the last whole block an earlier fork cached."""
+    from aaflow.runtime.calls import PrefillRequest
+    from aaflow.runtime.sim_replica import SimReplica
+
+    sim = SimReplica("r", REALISTIC, 1000, 16, overhead_s=1e-3)
+    doc, words = list(range(1000, 1070)), list(range(2000, 2040))  # 70 tokens, then 40: 110 in all
+    sim.materialize(doc, "doc")[2]()
+    answers = []
+    for sid in ("first", "second"):
+        sim.session_open(sid, "doc")[2]()
+        _, out, apply = sim.prefill_many([PrefillRequest(sid, words)], lambda: 0)
+        apply()
+        answers.append(out[0])
+    assert [a["computed"] for a in answers] == [40, 110 - 96]  # 96: six whole blocks of 16 cached
+    sim.steps(["second"], 1, [(1, ())], lambda: 0)[2]()  # decoded: its later segments are not looked up
+    _, out, _ = sim.prefill_many([PrefillRequest("second", [7, 7, 7])], lambda: 0)
+    assert out[0]["computed"] == 3
