@@ -34,6 +34,7 @@ from benchmarks.vllm_subprocess import VLLM_PYTHON, VllmError
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robin")
 SERVED_NAME = "smollm2"
+ROUTER_PORT_TRIES = 3
 COUNTERS = {"preemptions": "vllm:num_preemptions_total", "prefix_cache_queries": "vllm:prefix_cache_queries_total",
             "prefix_cache_hits": "vllm:prefix_cache_hits_total"}
 
@@ -82,11 +83,19 @@ class VllmFleet:
             raise ValueError(f"router policy {policy!r}: use one of {', '.join(ROUTER_POLICIES)}")
         self._stop(self.router)
         self.policy = policy
-        self.router = self._spawn([str(VLLM_PYTHON.parent / "vllm-router"), "--host", "127.0.0.1", "--port",
-                                   str(self.ports[-2]), "--policy", policy, "--worker-urls", *self.workers,
-                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.ports[-1]),
-                                   "--log-level", "warning"], {})
-        self._wait_healthy(self.url.removesuffix("/v1"), self.router, path="/v1/models")
+        for attempt in range(ROUTER_PORT_TRIES):
+            self.router = self._spawn([str(VLLM_PYTHON.parent / "vllm-router"), "--host", "127.0.0.1", "--port",
+                                       str(self.ports[-2]), "--policy", policy, "--worker-urls", *self.workers,
+                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.ports[-1]),
+                                       "--log-level", "warning"], {})
+            try:
+                self._wait_healthy(self.url.removesuffix("/v1"), self.router, path="/v1/models")
+                return
+            except VllmError as exc:  # a port free when chosen can be taken since (the instances' own sockets)
+                if "Address already in use" not in str(exc) or attempt == ROUTER_PORT_TRIES - 1:
+                    raise
+                log(f"vllm-router: port {self.ports[-2]} or {self.ports[-1]} was taken since; trying two others")
+                self.ports[-2:] = free_ports(2)
 
     def reset_prefix_caches(self) -> None:
         """Clear every instance's prefix cache (before a load, as aaflow's are cleared)."""
