@@ -99,3 +99,10 @@ def run_options(strategy: str) -> dict:
     if strategy.endswith(NO_LEND):
         return {"strategy": strategy[: -len(NO_LEND)], "lend_cores": False}
     return {"strategy": strategy}
+
+
+def engine_tokens_computed(cluster) -> int:
+    """Tokens the replicas' engines ran through a forward pass so far (contexts included)."""
+    import ray
+
+    return sum(s["tokens_computed"] for s in ray.get([r.actor.stats.remote() for r in cluster.replicas()]))

@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
+from benchmarks.common import add_dtype_argument, engine_tokens_computed, log, machine_facts, wait_until_quiet, write_json
 
 SIDES = ("af.run", "http-hints", "http-plain")
 
@@ -34,15 +34,12 @@ def run(args) -> dict:
     cluster = af.init(replicas={"smollm2": args.replicas}, dtype=args.dtype)
     server = BackgroundServer(serving_app(cluster), port=free_ports(1)[0])
 
-    def computed() -> int:
-        return sum(ray.get(r.actor.stats.remote())["tokens_computed"] for r in cluster.replicas())
-
     def once(side: str, tag: str) -> dict:
         wf = fan_out_workflow(context_text(args.doc_tokens, 71), 6, args.max_tokens)
         wf.name = f"fan-out-{tag}"
         ray.get([r.actor.clear_prefix_cache.remote() for r in cluster.replicas()])
         wait_until_quiet()
-        before, began = computed(), time.perf_counter()
+        before, began = engine_tokens_computed(cluster), time.perf_counter()
         if side == "af.run":
             af.run(wf, cluster, strategy="auto")
             wall = time.perf_counter() - began  # as its client sees it, as the HTTP side's
@@ -51,7 +48,7 @@ def run(args) -> dict:
             if "error" in out["rows"][0]:
                 raise RuntimeError(f"{side}: {out['rows'][0]['error']}")
             wall = out["wall_s"]
-        return {"wall_s": wall, "prompt_computed": computed() - before}
+        return {"wall_s": wall, "prompt_computed": engine_tokens_computed(cluster) - before}
 
     samples: dict[str, list] = {side: [] for side in SIDES}
     try:

@@ -23,7 +23,8 @@ import os
 import statistics
 from functools import lru_cache
 
-from benchmarks.common import add_dtype_argument, kv_bytes_per_token, log, machine_facts, run_options, write_json
+from benchmarks.common import (add_dtype_argument, engine_tokens_computed, kv_bytes_per_token, log, machine_facts,
+                               run_options, write_json)
 from configs import CONFIG_DIR
 
 PAPER = {"compute_x": 7.63, "throughput_x": 7.74, "agents": 16, "source": "AAFLOW+ (cost model)"}
@@ -59,13 +60,6 @@ def replica_cpu_s(cluster) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15)
     return total
-
-
-def engine_tokens_computed(cluster) -> int:
-    """Tokens the replicas' engines ran through a forward pass so far (contexts included)."""
-    import ray
-
-    return sum(s["tokens_computed"] for s in ray.get([r.actor.stats.remote() for r in cluster.replicas()]))
 
 
 def cold_run(cluster, wf, strategy: str, chunk_tokens: int = 16):

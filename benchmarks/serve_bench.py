@@ -87,7 +87,7 @@ def aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, a
     summary = summarize(out["rows"], out["wall_s"])
     computed_after = replicas_computed(cluster)
     prompt_computed_by_replicas(summary, None if computed_after is None else computed_after - computed_before,
-                                 workflows, out["rows"])
+                                 workflows)
     summary["kv_peak_blocks"] = peak
     if loop is not None:  # the share of one core the scheduling loop used: how many replicas one loop drives
         summary["loop_cpu_s"] = loop.cpu_s - cpu_before

@@ -68,21 +68,20 @@ def row_of(res, arrived: float, ended: float) -> dict:
 def replicas_computed(cluster) -> int | None:
     """Tokens the cluster's built-in replicas have computed (prompt tokens and decode rows), by their
     engines' counters; None with vLLM replicas (their counter holds prompt tokens only)."""
-    import ray
+    from benchmarks.common import engine_tokens_computed
 
     if any(r.engine != "builtin" for r in cluster.replicas()):
         return None
-    return sum(stats["tokens_computed"] for stats in ray.get([r.actor.stats.remote() for r in cluster.replicas()]))
+    return engine_tokens_computed(cluster)
 
 
-def prompt_computed_by_replicas(summary: dict, computed: int | None, workflows: list, rows: list) -> None:
+def prompt_computed_by_replicas(summary: dict, computed: int | None, workflows: list) -> None:
     """`summary["prompt_computed"]` as the replicas computed it: every token their engines computed
     less the decode rows (each agent's tokens but the first, which its prefill gives). A request's
     usage counts a shared prefix that a separate call materialized as reused, so the clients' sum
     (kept as `prompt_computed_by_requests`) leaves those tokens out; vLLM's side counts from its
     engines' prefix-cache counters, as this does."""
-    done = [wf for wf, r in zip(workflows, rows) if r and "error" not in r]
-    if len(done) != len(workflows) or summary.get("restarts") or computed is None:
+    if computed is None or summary["completed"] != len(workflows) or summary.get("restarts"):
         return  # decode rows of failed or restarted agents are unknown: keep the clients' figure
     decode_rows = summary["generated_tokens"] - sum(len(wf.agents()) for wf in workflows)
     summary["prompt_computed_by_requests"] = summary["prompt_computed"]

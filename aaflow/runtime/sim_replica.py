@@ -140,14 +140,10 @@ class SimReplica:
         session = self.sessions[sid] if sid is not None else None
         held = session.tokens if session is not None else 0
         hit, fresh_hit = 0, False
-        if held == 0:
-            common, fresh_hit = self._walk(ids, call)
-            hit = min(common, (len(ids) - 1) // self.block * self.block) if reuse else 0
-            fresh_hit = fresh_hit and hit > 0
-        elif reuse and session.ids is not None:  # a fork of a ref continues from the cache as well
-            whole = session.ids + list(ids)
+        if held == 0 or (reuse and session.ids is not None):  # a fork of a ref continues from the cache too
+            whole = session.ids + list(ids) if held else ids
             common, fresh_hit = self._walk(whole, call)
-            hit = max(0, min(common, (len(whole) - 1) // self.block * self.block) - held)
+            hit = max(0, min(common, (len(whole) - 1) // self.block * self.block) - held) if reuse else 0
             fresh_hit = fresh_hit and hit > 0
         self.computed += len(ids) - hit
         seconds = self.overhead + self.compute.prefill_time(len(ids) - hit, held + hit)

@@ -17,6 +17,13 @@ def _ref(engine):
     return doc
 
 
+def _prefill_counting(engine, seq, **kwargs):
+    """`engine.prefill(seq, SUFFIX)`'s logits and how many tokens it computed."""
+    before = engine.stats().tokens_computed
+    logits = engine.prefill(seq, SUFFIX, **kwargs)
+    return logits, engine.stats().tokens_computed - before
+
+
 def _recomputed(tiny_llama_dir, make_engine, prompt):
     cold = make_engine(tiny_llama_dir, num_blocks=64, prefix_caching=False)
     seq = cold.new_sequence()
@@ -31,10 +38,9 @@ def test_a_fork_reuses_the_blocks_an_earlier_fork_computed_for_the_same_words(ma
     doc = _ref(engine)
     first, second = engine.fork(doc), engine.fork(doc)
     engine.prefill(first, SUFFIX)
-    before = engine.stats().tokens_computed
-    logits = engine.prefill(second, SUFFIX)
+    logits, computed = _prefill_counting(engine, second)
     # cached blocks cover positions up to 96: the fifth block (the doc's partial one, replaced) and the sixth
-    assert engine.stats().tokens_computed - before == 110 - 96
+    assert computed == 110 - 96
     assert engine.sequence_tokens(second) == DOC + SUFFIX
     assert engine.runner.get(second).block_table[4:6] == engine.runner.get(first).block_table[4:6]
     assert engine.runner.get(second).block_table[:4] == engine.runner.get(doc).block_table[:4]
@@ -68,9 +74,7 @@ def test_a_fork_of_approximate_kv_never_adopts_cached_blocks(make_engine, tiny_l
     engine.prefill(earlier, SUFFIX)  # caches DOC + SUFFIX's blocks
     approx = engine.import_kv(engine.export_kv(exact), cacheable=False)
     fork = engine.fork(approx)
-    before = engine.stats().tokens_computed
-    engine.prefill(fork, SUFFIX)
-    assert engine.stats().tokens_computed - before == len(SUFFIX)
+    assert _prefill_counting(engine, fork)[1] == len(SUFFIX)
     for s in (exact, earlier, approx, fork):
         engine.free(s)
 
@@ -80,8 +84,6 @@ def test_without_reuse_a_fork_computes_its_words(make_engine, tiny_llama_dir):
     doc = _ref(engine)
     earlier, fork = engine.fork(doc), engine.fork(doc)
     engine.prefill(earlier, SUFFIX)
-    before = engine.stats().tokens_computed
-    engine.prefill(fork, SUFFIX, reuse_prefix=False)
-    assert engine.stats().tokens_computed - before == len(SUFFIX)
+    assert _prefill_counting(engine, fork, reuse_prefix=False)[1] == len(SUFFIX)
     for s in (doc, earlier, fork):
         engine.free(s)

@@ -192,10 +192,9 @@ def test_prompt_tokens_computed_come_from_the_replicas_counters():
     from benchmarks.serve_shapes import documents, serve_workflows
 
     workflows = serve_workflows(2, documents(1, 50), 4)  # 2 x 3 agents, 4 tokens each
-    rows = [{"latency_s": 1.0}] * 2
-    summary = {"generated_tokens": 24, "prompt_computed": 30, "restarts": 0}
-    prompt_computed_by_replicas(summary, 500, workflows, rows)
+    summary = {"completed": 2, "generated_tokens": 24, "prompt_computed": 30, "restarts": 0}
+    prompt_computed_by_replicas(summary, 500, workflows)
     assert (summary["prompt_computed"], summary["prompt_computed_by_requests"]) == (500 - (24 - 6), 30)
-    kept = {"generated_tokens": 24, "prompt_computed": 30, "restarts": 1}
-    prompt_computed_by_replicas(kept, 500, workflows, rows)  # a restart's decode rows are unknown
+    kept = {"completed": 2, "generated_tokens": 24, "prompt_computed": 30, "restarts": 1}
+    prompt_computed_by_replicas(kept, 500, workflows)  # a restart's decode rows are unknown
     assert kept["prompt_computed"] == 30 and "prompt_computed_by_requests" not in kept
