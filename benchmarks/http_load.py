@@ -5,42 +5,52 @@ deployment, from one asyncio client (the `openai` package's `AsyncOpenAI`): each
 streaming chat request sent once its inputs have answered, its prompt the text `af.run` renders
 (parts joined by blank lines, an upstream agent's answer as text), with workflow hints
 (`workflow_id`, `agent_id`, `reads`). Rows as `serve_load.run_threads` gives them.
+
+Each load is new to both sides (`fresh`, the default): its requests begin with a line naming the
+load ("Batch <8 hex digits>.") and its workflow ids end with it, so that nothing either side
+remembers of an earlier load over the same documents helps: no hinted workflow's reference, no
+shared prefix aaflow's endpoint knows, no placement or router memory of where a document went (a
+server sees new documents and new workflows all the time; both sides' prefix caches are cleared
+before each load as well).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from benchmarks.baseline_engines import agent_specs
 
 
 def run_http(base_url: str, model: str, workflows: list, offsets: list[float], ignore_eos: bool,
-             hints: bool = True) -> dict:
-    """The load, workflow i sent `offsets[i]` s after the start: {"rows", "wall_s"}."""
-    return asyncio.run(_load(base_url, model, workflows, offsets, ignore_eos, hints))
+             hints: bool = True, fresh: bool = True) -> dict:
+    """The load, workflow i sent `offsets[i]` s after the start: {"rows", "wall_s"}; `fresh`: named
+    as a new load (see the module docstring)."""
+    batch = uuid.uuid4().hex[:8] if fresh else None
+    return asyncio.run(_load(base_url, model, workflows, offsets, ignore_eos, hints, batch))
 
 
-async def _load(base_url, model, workflows, offsets, ignore_eos, hints) -> dict:
+async def _load(base_url, model, workflows, offsets, ignore_eos, hints, batch) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600)
     specs = agent_specs({wf.name: wf for wf in workflows})
     begin = time.perf_counter()
-    rows = await asyncio.gather(*(_workflow(client, model, specs[wf.name], wf.name, begin + offset, ignore_eos, hints)
-                                  for wf, offset in zip(workflows, offsets)))
+    rows = await asyncio.gather(*(_workflow(client, model, specs[wf.name], wf.name, begin + offset, ignore_eos, hints,
+                                            batch) for wf, offset in zip(workflows, offsets)))
     await client.close()
     ends = [r["end_s"] for r in rows if "end_s" in r]
     return {"rows": rows, "wall_s": (max(ends) if ends else time.perf_counter()) - begin}
 
 
 async def _workflow(client, model: str, agents: list[dict], workflow: str, at: float, ignore_eos: bool,
-                    hints: bool) -> dict:
+                    hints: bool, batch: str | None) -> dict:
     await asyncio.sleep(max(0.0, at - time.perf_counter()))
     arrived = time.perf_counter()
     answers: dict[str, asyncio.Future] = {a["name"]: asyncio.get_running_loop().create_future() for a in agents}
     try:
-        results = await asyncio.gather(*(_agent(client, model, a, answers, workflow, ignore_eos, hints, arrived)
+        results = await asyncio.gather(*(_agent(client, model, a, answers, workflow, ignore_eos, hints, arrived, batch)
                                          for a in agents))
     except Exception as exc:  # noqa: BLE001 - counted and reported
         return {"error": f"{type(exc).__name__}: {exc}", "latency_s": time.perf_counter() - arrived}
@@ -53,12 +63,14 @@ async def _workflow(client, model: str, agents: list[dict], workflow: str, at: f
 
 
 async def _agent(client, model: str, agent: dict, answers: dict, workflow: str, ignore_eos: bool, hints: bool,
-                 arrived: float) -> dict:
+                 arrived: float, batch: str | None) -> dict:
     reads = [p["ref"] for p in agent["prompt"] if isinstance(p, dict)]
     try:
         texts = {name: await answers[name] for name in reads}
         could_start = time.perf_counter() if reads else arrived
         user = "\n\n".join(texts[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
+        if batch:
+            user, workflow = f"Batch {batch}.\n\n{user}", f"{workflow}/{batch}"
         messages = ([{"role": "system", "content": agent["system"]}] if agent.get("system") else []) + [
             {"role": "user", "content": user}]
         extra = {"ignore_eos": ignore_eos}

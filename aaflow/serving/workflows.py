@@ -16,8 +16,11 @@ beyond the chat header: that prefix is its static prefix, which the scheduler ma
 forks for every agent that reads it, moves to another replica that needs it, keeps while agents
 that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`). The reference is then
 cut to the prefix shared, so that the workflow's later requests share that same prefix (one KV
-object for them all) or a shorter one. Such requests run under `transfer` (the planner, seeing a
-one-agent workflow, would not share a prefix with requests it cannot see); the others under `text`.
+object for them all) or a shorter one. A prefix so shared is remembered across workflows
+(`aaflow.serving.known_prefixes`): any other request whose prompt begins with it (another
+workflow's first request, a request without hints) shares it too. Such requests run under
+`transfer` (the planner, seeing a one-agent workflow, would not share a prefix with requests it
+cannot see); the others under `text`.
 
 `reads` (the agents whose answers the prompt holds) is accepted and not used yet: by the time a
 client sends a reader's request it has the answer as text, so there is nothing left to stream into
@@ -33,10 +36,9 @@ from dataclasses import dataclass
 
 import aaflow as af
 from aaflow.runtime.prompts import PromptBuilder
+from aaflow.serving.known_prefixes import MIN_SHARED_TOKENS, KnownPrefixes
 from aaflow.serving.requests import AgentHintsBody, RequestError
-from aaflow.strategies import DEFAULT_BLOCK_TOKENS
 
-MIN_SHARED_TOKENS = DEFAULT_BLOCK_TOKENS  # a shared prefix must hold a KV block beyond the chat header
 FORGET_AFTER_S = 600.0  # a hinted workflow not heard from for this long is forgotten
 WORKFLOWS_KEPT = 4096
 
@@ -48,11 +50,13 @@ class _Hinted:
 
 
 class HintedWorkflows:
-    """What the endpoint remembers of each hinted workflow (thread-safe)."""
+    """What the endpoint remembers of each hinted workflow, and the prefixes they shared (`known`;
+    thread-safe)."""
 
     def __init__(self) -> None:
         self._workflows: dict[str, _Hinted] = {}
         self._lock = threading.Lock()
+        self.known = KnownPrefixes()
 
     def shared_prefix(self, workflow_id: str, ids: tuple[int, ...], header: int) -> int:
         """How many leading `ids` (a request's prompt, `header` of them its chat header) the request
@@ -115,9 +119,12 @@ def request_run(builder: PromptBuilder, model: str, system: str | None, history:
         agent = hints.agent_id or agent
         shared = remembered.shared_prefix(hints.workflow_id, ids, header)
         if shared:
-            strategy, options["plan"] = "auto", ServerPlan({agent: "transfer"})
+            remembered.known.remember(model, ids[:shared], header)
         if hints.ttl_s:
             options["keep_prefix_s"] = hints.ttl_s
+    shared = shared or remembered.known.longest(model, ids, header)
+    if shared:
+        strategy, options["plan"] = "auto", ServerPlan({agent: "transfer"})
     lead = shared or min(max(header, 1), len(ids) - 1)
     wf = af.Workflow(f"request-{request_id}")
     try:

@@ -169,7 +169,8 @@ def test_a_request_becomes_one_rendered_agent_and_hints_share_the_common_token_p
     """A request's agent reads its whole tokenized chat as two token-id contexts: the chat header
     (its static prefix), then the rest. With hints, a later request of the workflow shares the
     token prefix it has in common with the first (the reference, cut to what was shared); a request
-    of another workflow, or one sharing less than a block beyond the header, shares nothing."""
+    sharing less than a block beyond the header shares nothing; a request of another workflow, or
+    without hints, that begins with a prefix shared before shares it (of the same model only)."""
     from transformers import AutoTokenizer
 
     from aaflow.runtime.prompts import PromptBuilder
@@ -209,7 +210,13 @@ def test_a_request_becomes_one_rendered_agent_and_hints_share_the_common_token_p
     assert again.strategy == "auto" and segments[0] == ids[:shared]  # but the workflow's prefix stays one
     short, segments = run("Another document.\n\nQ2?", reader_hints)
     assert short.strategy == "text" and len(segments[0]) == header
-    other, segments = run(doc + ": x\n\nQ1?", AgentHintsBody(workflow_id="w2"))
-    assert other.strategy == "text" and len(segments[0]) == header
+    other, segments = run(doc + ": y\n\nQ9?", AgentHintsBody(workflow_id="w2"))  # another workflow's first request
+    assert other.strategy == "auto" and len(segments[0]) == shared  # begins with the prefix w shared: forks it
+    unhinted, segments = run(doc + " and more.\n\nQ3?")
+    assert unhinted.strategy == "auto" and len(segments[0]) == shared
+    unshared, segments = run(doc[:-2] + "\n\nQ4?")  # stops short of the prefix shared
+    assert unshared.strategy == "text" and len(segments[0]) == header
+    got = request_run(builder, "other-model", None, [], doc + ": x\n\nQ1?", sampling, None, remembered, "m")
+    assert got.strategy == "text"  # a prefix is shared only between requests of one model
     with pytest.raises(af.WorkflowError):
         af.Workflow("x").agent("a", "m", ["hi"], history=[{"role": "tool", "content": "x"}])
