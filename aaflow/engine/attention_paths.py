@@ -3,7 +3,8 @@ chosen from the engine's dtype, the CPU and the sequences' block tables.
 
 Prefill: deterministic mode's fixed tiles; else each chunk over its context, in bf16 as tiles of
 plain products (with AMX through the flash kernel, which beats tiles there), in fp32 through the
-flash kernel, a prefix every chunk shares attended once, short chunks in the decode kernel
+flash kernel, a prefix every chunk shares attended once (in tiles: the chunks continuing each
+cached prefix attended together, `prefix_groups.py`), short chunks in the decode kernel
 (`tiled_attention.py`). fp32 where the decode kernel cannot serve the head dim keeps the masked
 per-sequence path (`prefill_parts`, cascade), which batches same-length chunks; tests compare
 against it. Decode: deterministic mode's fixed tiles; in bf16 the

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from aaflow.engine.amx_attention import amx_attention, amx_kernel, merge_parts
 from aaflow.engine.attention import run_start
 from aaflow.engine.decode_kernel import KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
+from aaflow.engine.prefix_groups import PrefixGroup, prefix_groups
 from aaflow.engine.shared_prefix_prefill import shared_prefix_attention, shared_prefix_tokens
 from aaflow.machine import matrix_isa
 
@@ -150,6 +151,7 @@ class TiledPrefillBatch:
     rows: KernelReads | None = None  # their contexts
     flash: bool = False  # the tiled sequences go through the flash kernel instead of tiles
     shared: int = 0  # with flash: leading slots all tiled sequences share, attended once (cascade)
+    groups: list[PrefixGroup] = field(default_factory=list)  # in tiles: chunks over one cached prefix, together
 
     @classmethod
     def build(cls, contexts: list[torch.Tensor], starts: list[int], kernel_rows: bool = False,
@@ -167,6 +169,8 @@ class TiledPrefillBatch:
         batch = cls(write, contexts, starts, offsets, [run_start(c) for c in contexts], tiled, flash=flash)
         if flash:
             batch.shared = shared_prefix_tokens([contexts[i] for i in tiled], [starts[i] for i in tiled])
+        else:
+            batch.groups, batch.tiled = prefix_groups(tiled, contexts, starts, offsets)
         if row_tokens:
             batch.row_tokens, batch.rows = torch.tensor(row_tokens), KernelReads.of(row_contexts)
         return batch
@@ -200,12 +204,15 @@ def tiled_attention(
             else:
                 kc, vc = k_cache.index_select(0, context), v_cache.index_select(0, context)  # [ctx, Hkv, D]
             outs.append(attend(q[a:b], kc, vc, start))
-    if batch.rows is None:
+    if batch.rows is None and not batch.groups:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)  # [T, H * D]
-    out[batch.row_tokens] = kernel_attention(q[batch.row_tokens], k_cache, v_cache, batch.rows)
+    if batch.rows is not None:
+        out[batch.row_tokens] = kernel_attention(q[batch.row_tokens], k_cache, v_cache, batch.rows)
     for i, part in zip(batch.tiled, outs):
         out[batch.offsets[i]:batch.offsets[i + 1]] = part
+    for group in batch.groups:
+        out[group.rows] = group.attend(q, k_cache, v_cache)
     return out
 
 
