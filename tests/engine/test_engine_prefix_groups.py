@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aaflow.engine import prefix_groups as pg
-from tests.engine.test_engine_tiled_attention import reference, rel_err
+from tests.engine.test_engine_tiled_attention import reference, rel_err, tiles_against_flash
 
 
 def _contexts(shared: torch.Tensor, members: list[tuple[int, int]], first_own: int) -> list[torch.Tensor]:
@@ -67,16 +67,8 @@ def test_chunks_group_by_the_cached_prefix_they_continue(monkeypatch):
 def test_engine_pack_of_forks_of_two_documents_gives_the_flash_path_logits(make_engine, tiny_llama_dir, monkeypatch):
     """fp32, tiles forced on: a pack of chunks over two cached documents (forks of each) and a
     fresh prompt attends each document's chunks as a group, with the flash kernel's logits."""
-    from aaflow.engine import tiled_attention
-
     monkeypatch.setattr(pg, "GROUP_MIN_TOKENS", 64)
-    built = []
-    build = tiled_attention.TiledPrefillBatch.build
-    monkeypatch.setattr(tiled_attention.TiledPrefillBatch, "build",
-                        classmethod(lambda cls, *a, **k: built.append(build(*a, **k)) or built[-1]))
-    engines = [make_engine(tiny_llama_dir, num_blocks=128, dtype="float32") for _ in range(2)]
-    engines[0].runner.paths.tiled_prefill, engines[1].runner.paths.tiled_prefill = True, False
-    engines[0].runner.paths.flash_prefill = False
+    built, engines = tiles_against_flash(make_engine, tiny_llama_dir, monkeypatch, flash=False, num_blocks=128)
     docs = [[3 + (i * 7) % 250 for i in range(150)], [5 + (i * 11) % 250 for i in range(100)]]
     results = []
     for engine in engines:
@@ -89,6 +81,6 @@ def test_engine_pack_of_forks_of_two_documents_gives_the_flash_path_logits(make_
         results.append(logits)
         for s in parents + forks + [fresh]:
             engine.free(s)
-    grouped = [b for b in built if isinstance(b, tiled_attention.TiledPrefillBatch) and b.groups]
+    grouped = [b for b in built if b.groups]
     assert sorted(len(g.members) for g in grouped[-1].groups) == [2, 3]
     assert rel_err(results[0], results[1]) <= 1e-5

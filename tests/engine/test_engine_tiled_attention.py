@@ -127,20 +127,28 @@ def test_shared_prefix_attention_gives_each_members_causal_attention():
         assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) <= 3e-2
 
 
-def test_engine_pack_over_a_shared_prefix_in_cascade_gives_the_flash_path_logits(make_engine, tiny_llama_dir, monkeypatch):
-    """fp32, tiles forced on with the flash route: a pack whose members continue one cached prefix
-    attends it once (`TiledPrefillBatch.shared`), with the logits of the flash kernel's paths."""
-    from aaflow.engine import shared_prefix_prefill as spp
+def tiles_against_flash(make_engine, model_dir, monkeypatch, flash: bool, num_blocks: int = 96):
+    """Two fp32 engines: the first with tiles forced on (through the flash route or not), the second
+    on the flash kernel's paths; and the list every `TiledPrefillBatch` built from now on lands in."""
     from aaflow.engine import tiled_attention
 
-    monkeypatch.setattr(spp, "SHARED_PREFIX_MIN_TOKENS", 64)
     built = []
     build = tiled_attention.TiledPrefillBatch.build
     monkeypatch.setattr(tiled_attention.TiledPrefillBatch, "build",
                         classmethod(lambda cls, *a, **k: built.append(build(*a, **k)) or built[-1]))
-    engines = [make_engine(tiny_llama_dir, num_blocks=96, dtype="float32") for _ in range(2)]
+    engines = [make_engine(model_dir, num_blocks=num_blocks, dtype="float32") for _ in range(2)]
     engines[0].runner.paths.tiled_prefill, engines[1].runner.paths.tiled_prefill = True, False
-    engines[0].runner.paths.flash_prefill = True
+    engines[0].runner.paths.flash_prefill = flash
+    return built, engines
+
+
+def test_engine_pack_over_a_shared_prefix_in_cascade_gives_the_flash_path_logits(make_engine, tiny_llama_dir, monkeypatch):
+    """fp32, tiles forced on with the flash route: a pack whose members continue one cached prefix
+    attends it once (`TiledPrefillBatch.shared`), with the logits of the flash kernel's paths."""
+    from aaflow.engine import shared_prefix_prefill as spp
+
+    monkeypatch.setattr(spp, "SHARED_PREFIX_MIN_TOKENS", 64)
+    built, engines = tiles_against_flash(make_engine, tiny_llama_dir, monkeypatch, flash=True)
     prefix = [3 + (i * 7) % 250 for i in range(160)]
     results = []
     for engine in engines:
