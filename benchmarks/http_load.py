@@ -6,7 +6,7 @@ streaming chat request sent once its inputs have answered, its prompt the text `
 (parts joined by blank lines, an upstream agent's answer as text), with workflow hints
 (`workflow_id`, `agent_id`, `reads`). Rows as `serve_load.run_threads` gives them.
 
-Each load is new to both sides (`fresh`, the default): its requests begin with a line naming the
+Each load is new to both sides: its requests begin with a line naming the
 load ("Batch <8 hex digits>.") and its workflow ids end with it, so that nothing either side
 remembers of an earlier load over the same documents helps: no hinted workflow's reference, no
 shared prefix aaflow's endpoint knows, no placement or router memory of where a document went (a
@@ -24,11 +24,10 @@ from benchmarks.baseline_engines import agent_specs
 
 
 def run_http(base_url: str, model: str, workflows: list, offsets: list[float], ignore_eos: bool,
-             hints: bool = True, fresh: bool = True) -> dict:
-    """The load, workflow i sent `offsets[i]` s after the start: {"rows", "wall_s"}; `fresh`: named
-    as a new load (see the module docstring)."""
-    batch = uuid.uuid4().hex[:8] if fresh else None
-    return asyncio.run(_load(base_url, model, workflows, offsets, ignore_eos, hints, batch))
+             hints: bool = True) -> dict:
+    """The load, workflow i sent `offsets[i]` s after the start, named as a new load (see the module
+    docstring): {"rows", "wall_s"}."""
+    return asyncio.run(_load(base_url, model, workflows, offsets, ignore_eos, hints, uuid.uuid4().hex[:8]))
 
 
 async def _load(base_url, model, workflows, offsets, ignore_eos, hints, batch) -> dict:
@@ -45,7 +44,7 @@ async def _load(base_url, model, workflows, offsets, ignore_eos, hints, batch) -
 
 
 async def _workflow(client, model: str, agents: list[dict], workflow: str, at: float, ignore_eos: bool,
-                    hints: bool, batch: str | None) -> dict:
+                    hints: bool, batch: str) -> dict:
     await asyncio.sleep(max(0.0, at - time.perf_counter()))
     arrived = time.perf_counter()
     answers: dict[str, asyncio.Future] = {a["name"]: asyncio.get_running_loop().create_future() for a in agents}
@@ -63,14 +62,13 @@ async def _workflow(client, model: str, agents: list[dict], workflow: str, at: f
 
 
 async def _agent(client, model: str, agent: dict, answers: dict, workflow: str, ignore_eos: bool, hints: bool,
-                 arrived: float, batch: str | None) -> dict:
+                 arrived: float, batch: str) -> dict:
     reads = [p["ref"] for p in agent["prompt"] if isinstance(p, dict)]
     try:
         texts = {name: await answers[name] for name in reads}
         could_start = time.perf_counter() if reads else arrived
         user = "\n\n".join(texts[p["ref"]] if isinstance(p, dict) else p for p in agent["prompt"])
-        if batch:
-            user, workflow = f"Batch {batch}.\n\n{user}", f"{workflow}/{batch}"
+        user, workflow = f"Batch {batch}.\n\n{user}", f"{workflow}/{batch}"
         messages = ([{"role": "system", "content": agent["system"]}] if agent.get("system") else []) + [
             {"role": "user", "content": user}]
         extra = {"ignore_eos": ignore_eos}

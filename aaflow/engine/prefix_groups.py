@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from aaflow.engine.attention import run_start
+from aaflow.engine.shared_prefix_prefill import shared_prefix_tokens
 
 GROUP_MIN_TOKENS = 256  # a shorter shared prefix is attended per member (not tuned)
 
@@ -104,14 +105,8 @@ def prefix_groups(tiled: list[int], contexts: list[torch.Tensor], starts: list[i
             by_first.setdefault(int(contexts[i][0]), []).append(i)
     groups, grouped = [], set()
     for members in by_first.values():
-        if len(members) < 2:
-            continue
-        shared = min(starts[i] for i in members)
-        first = contexts[members[0]][:shared]
-        for i in members[1:]:
-            differs = (contexts[i][:shared] != first[:shared]).nonzero()
-            shared = int(differs[0]) if differs.numel() else shared
-        if shared >= GROUP_MIN_TOKENS:
+        shared = shared_prefix_tokens([contexts[i] for i in members], [starts[i] for i in members], GROUP_MIN_TOKENS)
+        if shared:
             groups.append(PrefixGroup.build(members, contexts, starts, offsets, shared))
             grouped.update(members)
     return groups, [i for i in tiled if i not in grouped]

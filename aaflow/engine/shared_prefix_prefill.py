@@ -20,9 +20,9 @@ SHARED_PREFIX_MIN_TOKENS = 512  # shorter prefixes: one call per member costs ab
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out [1, H, T, D], lse [1, H, T])
 
 
-def shared_prefix_tokens(contexts: list[torch.Tensor], starts: list[int]) -> int:
+def shared_prefix_tokens(contexts: list[torch.Tensor], starts: list[int], min_tokens: int | None = None) -> int:
     """Leading slots every context holds in common, up to the first new token of any of them; 0
-    when fewer than two contexts or fewer than SHARED_PREFIX_MIN_TOKENS."""
+    when fewer than two contexts or fewer than `min_tokens` (default SHARED_PREFIX_MIN_TOKENS)."""
     if len(contexts) < 2:
         return 0
     n = min(starts)
@@ -30,7 +30,7 @@ def shared_prefix_tokens(contexts: list[torch.Tensor], starts: list[int]) -> int
     for context in contexts[1:]:
         differs = (context[:n] != first[:n]).nonzero()
         n = int(differs[0]) if differs.numel() else n
-    return n if n >= SHARED_PREFIX_MIN_TOKENS else 0
+    return n if n >= (SHARED_PREFIX_MIN_TOKENS if min_tokens is None else min_tokens) else 0
 
 
 def shared_prefix_attention(
