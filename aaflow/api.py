@@ -7,13 +7,13 @@ operators follow the ref they are given.
 
 from __future__ import annotations
 
-import operators
-from aaflow import continuation
-from aaflow.errors import InvalidArgumentError, KVLocationError
-from cluster import remote
-from cluster.cluster import Cluster
-from cluster.pins import pin_context
-from operators import KVHost
+from aaflow import operators
+from aaflow.cluster import continuation
+from aaflow.common.errors import InvalidArgumentError, KVLocationError
+from aaflow.cluster import remote
+from aaflow.cluster.cluster import Cluster
+from aaflow.cluster.pins import pin_context
+from aaflow.operators import KVHost
 
 
 def _is_remote(kv) -> bool:
@@ -52,7 +52,7 @@ def _dispatch(name: str):
 
 
 def transfer(kv, destination, *args, **kwargs):
-    """Copy kv's KV to `destination`: a replica handle (`cluster.replicas(model)[i]`) for a cluster
+    """Copy kv's KV to `destination`: a replica handle (`aaflow.cluster.replicas(model)[i]`) for a cluster
     ref; a `KVHost` or an `Engine` for an in-process ref (see operators.transfer)."""
     if _is_remote(kv):
         return remote.transfer(kv, destination, *args, **kwargs)
@@ -76,7 +76,7 @@ def pin(target, *args, **kwargs):
 
     `pin(kv, ttl_s=None)` pins a KVRef (local or cluster); `pin(cluster, text, ttl_s=..., model=,
     system=)` pins a document on every replica of the model as the start of an agent prompt, so
-    that workflows from any client reuse its KV until the pin expires (`cluster.pins`); it
+    that workflows from any client reuse its KV until the pin expires (`aaflow.cluster.pins`); it
     returns the pinned refs."""
     if isinstance(target, Cluster):
         return pin_context(target, *args, **kwargs)
@@ -86,7 +86,7 @@ unpin = _dispatch("unpin")
 
 
 def generate(kv, *args, **kwargs):
-    """Continue kv's context with a prompt and generate (see `aaflow.continuation.generate`)."""
+    """Continue kv's context with a prompt and generate (see `aaflow.cluster.continuation.generate`)."""
     if _is_remote(kv):
         return remote.generate(kv, *args, **kwargs)
 

@@ -16,34 +16,34 @@ from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP, parse_engines
 from aaflow.cli_planning import add_planning_commands
 from aaflow.demo import run_demo
 from aaflow.engine import Engine
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 from aaflow.models import fetch_model
-from aaflow.planning.split import calibrate_splits, choose_split
-from aaflow.strategies import STRATEGIES
-from benchmarks import report as report_module
+from aaflow.cluster.planning.split import calibrate_splits, choose_split
+from aaflow.common.strategies import STRATEGIES
+from aaflow.benchmarks import report as report_module
 
 BENCHMARKS = {
-    "engine": "benchmarks.engine_bench",
-    "memory": "benchmarks.memory_bench",
-    "fuzz": "benchmarks.fuzz_bench",
-    "soak": "benchmarks.soak_bench",
-    "transfer": "benchmarks.transfer_bench",
-    "compose": "benchmarks.compose_bench",
-    "crossover": "benchmarks.crossover_bench",
-    "netns-crossover": "benchmarks.netns_crossover",
-    "planner": "benchmarks.planner_bench",
-    "scaling": "benchmarks.scaling_bench",
-    "overhead": "benchmarks.overhead_bench",
-    "consistency": "benchmarks.consistency_bench",
-    "workflows": "benchmarks.workflows_bench",
-    "load": "benchmarks.load_bench",
-    "serve": "benchmarks.serve_bench",
-    "serve-trace": "benchmarks.serve_trace",
-    "loop-scale": "benchmarks.loop_scale_bench",
-    "endpoint": "benchmarks.endpoint_bench",
-    "chaos": "benchmarks.chaos_bench",
-    "overlap-bound": "benchmarks.overlap_bound",
-    "regression": "benchmarks.regression_ab",
+    "engine": "aaflow.benchmarks.engine_bench",
+    "memory": "aaflow.benchmarks.memory_bench",
+    "fuzz": "aaflow.benchmarks.fuzz_bench",
+    "soak": "aaflow.benchmarks.soak_bench",
+    "transfer": "aaflow.benchmarks.transfer_bench",
+    "compose": "aaflow.benchmarks.compose_bench",
+    "crossover": "aaflow.benchmarks.crossover_bench",
+    "netns-crossover": "aaflow.benchmarks.netns_crossover",
+    "planner": "aaflow.benchmarks.planner_bench",
+    "scaling": "aaflow.benchmarks.scaling_bench",
+    "overhead": "aaflow.benchmarks.overhead_bench",
+    "consistency": "aaflow.benchmarks.consistency_bench",
+    "workflows": "aaflow.benchmarks.workflows_bench",
+    "load": "aaflow.benchmarks.load_bench",
+    "serve": "aaflow.benchmarks.serve_bench",
+    "serve-trace": "aaflow.benchmarks.serve_trace",
+    "loop-scale": "aaflow.benchmarks.loop_scale_bench",
+    "endpoint": "aaflow.benchmarks.endpoint_bench",
+    "chaos": "aaflow.benchmarks.chaos_bench",
+    "overlap-bound": "aaflow.benchmarks.overlap_bound",
+    "regression": "aaflow.benchmarks.regression_ab",
 }
 NOT_IN_ALL = {"regression"}  # compares two revisions of the code (needs --against), not the system
 
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     run.add_argument("--engine", action="append", default=[], metavar="[MODEL=]ENGINE",
                      help="builtin (default) or vllm, for every model or one: --engine smollm2=vllm (repeatable; "
-                          "vLLM needs `bash benchmarks/setup_vllm_env.sh`)")
+                          "vLLM needs `bash scripts/setup_vllm_env.sh`)")
     run.add_argument("--deterministic", action="store_true",
                       help="batch- and chunk-invariant kernels: every strategy gives text's tokens in bf16 too "
                            "(built-in engine; decode up to 35%% slower)")

@@ -9,8 +9,8 @@ from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP, parse_engines
 from aaflow.serving import DEFAULT_HOST, DEFAULT_PORT, serve
 from aaflow.serving.api_key import API_KEY_ENV
 from aaflow.submission import submit
-from cluster.deployment import down, status, up
-from cluster.scheduler_actor import LEASE_S
+from aaflow.cluster.deployment import down, status, up
+from aaflow.cluster.scheduler_actor import LEASE_S
 
 ADDRESS_HELP = "the Ray cluster (`ray start --head` prints it, e.g. 127.0.0.1:6379); default: RAY_ADDRESS"
 STRATEGIES = ["auto", "text", "recompute", "transfer", "stream", "transfer+stream"]

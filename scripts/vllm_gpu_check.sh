@@ -12,7 +12,7 @@
 #      KV in/out through the aaflow connector, refusals). NOTE: the connector converts only
 #      vLLM's CPU KV layout so far; on CUDA the KV save/load tests are expected to FAIL with
 #      VLLMKVLayoutError ("cannot convert this KV layout") until a CUDA layout is added.
-#   2. benchmarks/vllm_engine_bench.py (raw vLLM prefill/decode on SmolLM2). A workflow benchmark
+#   2. aaflow/benchmarks/vllm_engine_bench.py (raw vLLM prefill/decode on SmolLM2). A workflow benchmark
 #      with vLLM replicas needs vLLM wired into the cluster (not done yet); this script says so.
 set -uo pipefail
 
@@ -51,11 +51,11 @@ status=0
 say "1/2 equivalence tests: tests/engine/test_vllm_backend.py"
 AAFLOW_VLLM_PYTHON="$VLLM_PY" "$AAFLOW_PY" -m pytest tests/engine/test_vllm_backend.py -q -rA || { status=1; say "equivalence tests FAILED (see above)"; }
 
-say "2/2 benchmark: benchmarks/vllm_engine_bench.py (raw vLLM engine; workflow benchmark with vLLM replicas: NOT AVAILABLE yet, vLLM is not wired into the cluster)"
+say "2/2 benchmark: aaflow/benchmarks/vllm_engine_bench.py (raw vLLM engine; workflow benchmark with vLLM replicas: NOT AVAILABLE yet, vLLM is not wired into the cluster)"
 mkdir -p "$OUT"
 MODEL="$("$AAFLOW_PY" -c 'from aaflow.models import resolve_model_path; print(resolve_model_path("smollm2"))')" \
     || { say "cannot resolve the smollm2 model folder"; exit 1; }
-"$VLLM_PY" benchmarks/vllm_engine_bench.py --model "$MODEL" --out "$OUT/vllm_engine_gpu.json" \
+"$VLLM_PY" aaflow/benchmarks/vllm_engine_bench.py --model "$MODEL" --out "$OUT/vllm_engine_gpu.json" \
     --prompt-lens 512 2048 --batches 1 16 --decode-tokens 64 --repeats 3 || { status=1; say "benchmark FAILED"; }
 
 if [ "$status" -eq 0 ]; then say "OK"; else say "FAILED (exit 1)"; fi

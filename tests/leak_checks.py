@@ -20,7 +20,7 @@ class LeakWatch:
     """Snapshot at the start of a test; `problems()` at its end."""
 
     def __init__(self, keeps_transports: bool = False) -> None:
-        from cluster.transports.base import open_transports
+        from aaflow.cluster.transports.base import open_transports
 
         self.keeps_transports = keeps_transports  # the test hands new endpoints to a longer-lived fixture
         self.threads = {t.ident for t in threading.enumerate()}
@@ -36,7 +36,7 @@ class LeakWatch:
             return []
         import ray
 
-        from cluster.cluster import live_replica_actors
+        from aaflow.cluster.cluster import live_replica_actors
 
         problems = []
         for actor in live_replica_actors():
@@ -51,7 +51,7 @@ class LeakWatch:
         return problems
 
     def _transports(self) -> list[str]:
-        from cluster.transports.base import open_transports
+        from aaflow.cluster.transports.base import open_transports
 
         if self.keeps_transports:
             return []

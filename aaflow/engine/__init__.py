@@ -1,4 +1,4 @@
-"""The built-in engine: Llama-family models on a paged KV block pool (no Ray, no operators)."""
+"""The built-in engine: Llama-family models on a paged KV block pool (no Ray, no operators). Layer: core."""
 
 from aaflow.engine.block_manager import BlockStats
 from aaflow.engine.config import ModelConfig

@@ -15,7 +15,7 @@ import functools
 import torch
 
 from aaflow.engine.native_build import NativeModule
-from aaflow.machine import matrix_isa
+from aaflow.common.machine import matrix_isa
 
 HEAD_DIM = 64  # the kernel's one head size (SmolLM2's); other models keep torch's flash
 

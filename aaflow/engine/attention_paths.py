@@ -31,7 +31,7 @@ from aaflow.engine.grouped_cascade import prefix_groups
 from aaflow.engine.run_attention import GatheredDecodeBatch, RunsDecodeBatch, reads_in_place_pays
 from aaflow.engine.sequence import Sequence
 from aaflow.engine.tiled_attention import TiledPrefillBatch, prefill_kernel
-from aaflow.machine import matrix_isa
+from aaflow.common.machine import matrix_isa
 
 
 @dataclass

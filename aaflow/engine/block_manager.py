@@ -14,7 +14,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from aaflow.errors import KVCapacityError
+from aaflow.common.errors import KVCapacityError
 
 NO_HASH = 0
 

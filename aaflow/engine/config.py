@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aaflow.errors import ModelNotFoundError, UnsupportedModelError
+from aaflow.common.errors import ModelNotFoundError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from aaflow.machine import matrix_isa
+from aaflow.common.machine import matrix_isa
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)

@@ -25,7 +25,7 @@ from aaflow.engine.runner import KVRunner
 from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engine.weights import load_weights
-from aaflow.errors import ModelNotFoundError
+from aaflow.common.errors import ModelNotFoundError
 from aaflow.models import resolve_model_path
 
 DETERMINISTIC_DEFAULT = False  # on, batched decode runs markedly slower (`aaflow bench engine`, docs/RESULTS.md)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 
 ENV_VAR = "AAFLOW_KV_CACHE_BYTES"
 MEMORY_FRACTION = 0.10  # of physical memory, for all the replicas of one machine together

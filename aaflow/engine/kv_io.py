@@ -9,7 +9,7 @@ import numbers
 import torch
 
 from aaflow.engine.sequence import KVExport, Sequence
-from aaflow.errors import KVImportError
+from aaflow.common.errors import KVImportError
 
 
 class KVImportExport:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine.native_build import NativeModule
-from aaflow.machine import cpu_vendor, matrix_isa
+from aaflow.common.machine import cpu_vendor, matrix_isa
 
 ONE_ROW = NativeModule("one_row_linear.cpp", "the bf16 one-row linear kernel", "AAFLOW_ONE_ROW_LINEAR")
 AMX_LINEAR = NativeModule("amx_linear.cpp", "the AMX few-rows linear kernel", "AAFLOW_AMX_LINEAR",

@@ -19,7 +19,7 @@ from pathlib import Path
 from torch.utils.cpp_extension import _get_build_directory  # private: only for the progress line
 from torch.utils.cpp_extension import load as load_extension
 
-from aaflow.progress import timed
+from aaflow.common.progress import timed
 
 log = logging.getLogger(__name__)
 

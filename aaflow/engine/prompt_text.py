@@ -9,7 +9,7 @@ import operator
 from collections.abc import Iterable
 from typing import Sequence as Seq
 
-from aaflow.errors import PromptError
+from aaflow.common.errors import PromptError
 
 
 class PromptText:

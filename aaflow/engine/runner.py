@@ -16,7 +16,7 @@ from aaflow.engine.kv_io import KVImportExport
 from aaflow.engine.model import LlamaModel
 from aaflow.engine.prefix_reuse import PrefixReuse
 from aaflow.engine.sequence import Sequence, padded_slots
-from aaflow.errors import InvalidArgumentError, PromptError, SequenceError
+from aaflow.common.errors import InvalidArgumentError, PromptError, SequenceError
 
 
 class KVRunner(PrefixReuse, KVImportExport):

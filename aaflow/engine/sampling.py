@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aaflow.errors import SamplingError
+from aaflow.common.errors import SamplingError
 
 
 @dataclass(frozen=True)

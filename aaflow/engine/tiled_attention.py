@@ -42,7 +42,7 @@ from aaflow.engine.decode_kernel import KernelReads, kernel_attention
 from aaflow.engine.kv_cache import PagedKVCache
 from aaflow.engine.prefix_groups import PrefixGroup, prefix_groups
 from aaflow.engine.shared_prefix_prefill import shared_prefix_attention, shared_prefix_tokens
-from aaflow.machine import matrix_isa
+from aaflow.common.machine import matrix_isa
 
 TILE_TOKENS = 128  # 32 and 64 measured slower at 512-2,048 tokens (256 not tried in this form)
 KERNEL_ROW_TOKENS = 8  # chunks this short go through the decode kernel, a row per token

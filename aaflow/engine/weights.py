@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from aaflow.engine.config import ModelConfig
 from aaflow.engine.linear import Linear, can_prepack, fp32_on_onednn
-from aaflow.errors import ModelNotFoundError
+from aaflow.common.errors import ModelNotFoundError
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """vLLM as an aaflow engine backend: `VLLMEngine` and the `AAFlowConnector` KV connector.
 
 Importing this package needs neither vLLM nor a running vLLM: vLLM lives in its own Python
-environment (`bash benchmarks/setup_vllm_env.sh`) and is started as a child process by
+environment (`bash scripts/setup_vllm_env.sh`) and is started as a child process by
 `VLLMEngine.from_pretrained`, which raises `VLLMUnavailableError` naming that fix when it cannot.
+
+Layer: core.
 """
 
 from __future__ import annotations

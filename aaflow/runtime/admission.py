@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable
 
 from aaflow.runtime.agent_state import AgentPhase
 from aaflow.runtime.prompts import AgentInput, static_prefix
-from aaflow.strategies import TEXT_NOCACHE
+from aaflow.common.strategies import TEXT_NOCACHE
 
 if TYPE_CHECKING:
     from aaflow.runtime.agent_state import AgentState

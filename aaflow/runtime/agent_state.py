@@ -10,7 +10,7 @@ from aaflow.runtime.run_options import RunOptions
 from aaflow.runtime.prompts import AgentInput, Segment, static_prefix
 from aaflow.runtime.prefix_key import PrefixIds, PrefixKey
 from aaflow.runtime.results import AgentResult
-from aaflow.strategies import STREAMS, shares_prefix
+from aaflow.common.strategies import STREAMS, shares_prefix
 
 
 class AgentPhase(enum.StrEnum):

@@ -1,6 +1,6 @@
 """How the scheduler reaches replicas: submit a call, learn when it ends.
 
-Two backends implement it: `cluster.ray_backend.RayBackend` runs each call on a replica actor,
+Two backends implement it: `aaflow.cluster.ray_backend.RayBackend` runs each call on a replica actor,
 and `aaflow.runtime.sim_backend.SimBackend` predicts each call's duration from a calibrated
 hardware profile on a simulated clock. The scheduler never sees which one it drives.
 """
@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 from aaflow.runtime.calls import Call
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from aaflow.errors import KVRefFreedError
+from aaflow.common.errors import KVRefFreedError
 from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.backend import ReplicaLostError, Ticket
 from aaflow.runtime.calls import Call, CallKind, MixedCall, PrefillCall, StepCall, StepsCall

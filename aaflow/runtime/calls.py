@@ -243,7 +243,7 @@ class FreeCall(_NoPrompt):
 @dataclass(frozen=True)
 class EvictCall(_NoPrompt):
     """Evict ref `ref_id`: its blocks leave the pool, the ref stays; its next use rebuilds it from
-    its lineage (`operators.evict`)."""
+    its lineage (`aaflow.operators.evict`)."""
 
     kind = CallKind.EVICT
     ref_id: str

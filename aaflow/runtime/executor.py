@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from aaflow.engine.sampling import SamplingParams
-from aaflow.errors import WorkflowError
+from aaflow.common.errors import WorkflowError
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.kvops import directive, evicted_contexts
 from aaflow.runtime.prompts import AgentInput, prompt_leaves
 from aaflow.runtime.results import RunResult
-from aaflow.strategies import STRATEGIES
+from aaflow.common.strategies import STRATEGIES
 from aaflow.workflow.graph import AgentNode, ContextNode
 
 

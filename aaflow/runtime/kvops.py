@@ -11,7 +11,7 @@ outputs it carries (see `prompts.prompt_leaves`); in addition:
                   approximate, reported in the agent's `fidelity`; mode="exact" (the default) is
                   the plain shared prefix, computed as one;
   evict           the shared KV of every prefix containing the named contexts is evicted
-                  (`operators.evict`: its blocks leave the pool, the ref stays and a later fork
+                  (`aaflow.operators.evict`: its blocks leave the pool, the ref stays and a later fork
                   rebuilds it from lineage) as soon as all the agents sharing it have forked it;
                   it is freed once no pending agent reads it.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aaflow.errors import WorkflowError
+from aaflow.common.errors import WorkflowError
 from aaflow.workflow.graph import AgentNode, KVOpNode, Ref, Workflow
 
 SHARING_OPS = ("fork", "compose", "transfer")

@@ -20,7 +20,7 @@ from aaflow.runtime.placement import Placement
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
 from aaflow.runtime.scheduler_state import SchedulerState
-from aaflow.strategies import SHARES_PREFIX, STREAMS, TEXT_NOCACHE
+from aaflow.common.strategies import SHARES_PREFIX, STREAMS, TEXT_NOCACHE
 
 
 class AgentLifecycle:

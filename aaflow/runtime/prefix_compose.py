@@ -1,6 +1,6 @@
 """Composed shared prefixes: a prefix that a compose node asks to compose approximately is made of
 its contexts, each materialized alone (so the prefix cache serves it wherever it was computed
-before), then composed on the replica (`operators.compose`); the parts are freed once composed.
+before), then composed on the replica (`aaflow.operators.compose`); the parts are freed once composed.
 """
 
 from __future__ import annotations

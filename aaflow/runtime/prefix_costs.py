@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
-from costmodel.model_profile import ModelProfile
+from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+from aaflow.costmodel.model_profile import ModelProfile
 
 SOONER_BY = 0.10  # computing must end this much sooner (relative) to be chosen: it doubles the prefix's
 # work, which a loaded cluster needs more than a few percent of one fetch (the planner's bar for

@@ -1,6 +1,6 @@
 """Prefix sharing: a static prefix (chat header + leading contexts) is materialized once per
 workflow, forked by every agent on the same replica and transferred to other replicas that need
-it; an evict node evicts it (`operators.evict`: its blocks leave the pool, a later fork rebuilds it
+it; an evict node evicts it (`aaflow.operators.evict`: its blocks leave the pool, a later fork rebuilds it
 from lineage) once its agents have forked it; it is freed when no pending agent reads it. A failed
 transfer falls back to recomputing the prefix where it was going. Whether a replica that lacks a
 prefix waits for it to be moved or computes it itself, the cost model says where it can

@@ -10,7 +10,7 @@ import threading
 from transformers import AutoTokenizer
 
 from aaflow.engine.config import ModelConfig
-from aaflow.errors import WorkflowError
+from aaflow.common.errors import WorkflowError
 from aaflow.models import resolve_model_path
 from aaflow.runtime.prompts import AgentInput, PromptBuilder
 

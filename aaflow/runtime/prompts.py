@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Union
 
-from aaflow.errors import WorkflowError
+from aaflow.common.errors import WorkflowError
 from aaflow.workflow.graph import AgentNode, ContextNode, KVOpNode, Ref, Workflow
 
 _PLACEHOLDER = "\u2063AAFLOW_PROMPT\u2063"

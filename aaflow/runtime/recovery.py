@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from aaflow.errors import AAFlowError, KVCapacityError, KVRefFreedError
+from aaflow.common.errors import AAFlowError, KVCapacityError, KVRefFreedError
 from aaflow.runtime.agent_state import AgentPhase, AgentState
 from aaflow.runtime.backend import Ticket
 from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, ExposeCall, FreeCall, MaterializeCall, MixedCall,

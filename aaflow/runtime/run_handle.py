@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 from aaflow.runtime.results import RunResult
 
 

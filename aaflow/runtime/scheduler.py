@@ -1,10 +1,10 @@
 """The scheduler: runs agents on replicas, one short replica call at a time.
 
-What each strategy does on an agent's incoming edges is written in `aaflow.strategies`; explicit
+What each strategy does on an agent's incoming edges is written in `aaflow.common.strategies`; explicit
 KV operator nodes (see `kvops`) add prefix sharing and a replica choice on top.
 
 It is plain code that owns its state (`SchedulerState`) and drives replicas through a `Backend`:
-on Ray (`cluster.ray_backend`) it runs workflows; on the simulated clock (`sim_backend`) it
+on Ray (`aaflow.cluster.ray_backend`) it runs workflows; on the simulated clock (`sim_backend`) it
 predicts them. Its parts own their own state, read the scheduler's and decide; it acts
 (`lifecycle`): `Placement`, `Admission`, `CallQueues` (per-replica queues, packing, mixed steps,
 lending), `PrefixSharing`, `Recovery`.

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 from aaflow.runtime.agent_state import AgentPhase, AgentState, namespaced
 from aaflow.runtime.executor import collect
 from aaflow.runtime.recovery import AgentFailedError

@@ -20,7 +20,7 @@ from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, EvictCall, Expos
                                   StepsCall)
 from aaflow.runtime.prefix_costs import PrefixCosts
 from aaflow.runtime.sim_replica import SimReplica
-from aaflow.strategies import DEFAULT_BLOCK_TOKENS
+from aaflow.common.strategies import DEFAULT_BLOCK_TOKENS
 
 SIM_NODE = "simulated"  # every simulated replica shares one machine (its cores can be lent)
 

@@ -213,7 +213,7 @@ class SimReplica:
         return seconds, [row[0] for row in tokens], apply
 
     def steps(self, sids: list[str], steps: int, stops: list[tuple], next_token: Callable[[], int]) -> Outcome:
-        """A group of decode steps (`cluster.step_group_runner.run_steps`): one call overhead; simulated
+        """A group of decode steps (`aaflow.cluster.step_group_runner.run_steps`): one call overhead; simulated
         tokens are never end-of-sequence, so it ends at its step count or the first budget."""
         sessions = [self.sessions[s] for s in sids]  # the same objects at the call's end: one call at a time
         count = max(1, min([steps] + [budget for budget, _ in stops]))

@@ -1,4 +1,4 @@
-"""How many decode steps one replica call runs (`StepsCall`, `cluster.step_group_runner`).
+"""How many decode steps one replica call runs (`StepsCall`, `aaflow.cluster.step_group_runner`).
 
 One step per call pays a round trip and the scheduler's work per step, a sizeable part of a small
 batch's step (measured: docs/RESULTS-history.md, "Figures moved out of code comments"); several
@@ -36,7 +36,7 @@ def steps_per_call(decoding: list, streaming_readers: dict) -> int:
 
 
 def stops(decoding: list, eos: dict) -> list[tuple[int, frozenset]]:
-    """Each decoding agent's `cluster.step_group_runner.StepStop` as a plain tuple: tokens left in its
+    """Each decoding agent's `aaflow.cluster.step_group_runner.StepStop` as a plain tuple: tokens left in its
     budget, and its model's end-of-sequence ids unless it ignores them."""
     return [(agent.max_tokens - agent.result.decoded,
              frozenset() if agent.ignore_eos else frozenset(eos[agent.model])) for agent in decoding]

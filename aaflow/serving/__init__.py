@@ -6,6 +6,8 @@ their base URL at it; requests go to the deployment's one scheduling loop. Workf
 requests of one workflow as one graph (`aaflow.serving.workflows`). `--api-key` (or
 `AAFLOW_API_KEY`) asks every request but /health for a bearer key (`aaflow.serving.api_key`). Needs the `serve` extra
 (`pip install aaflow[serve]`: FastAPI and uvicorn).
+
+Layer: front end.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from __future__ import annotations
 import threading
 import time
 
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 from aaflow.runtime import prompt_builders
 from aaflow.serving.api_key import check_listen
-from cluster.deployment import connect
+from aaflow.cluster.deployment import connect
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise: nothing listens on every interface by default
 DEFAULT_PORT = 8000

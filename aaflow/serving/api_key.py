@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-from aaflow.errors import InvalidArgumentError
+from aaflow.common.errors import InvalidArgumentError
 
 API_KEY_ENV = "AAFLOW_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # what a load balancer's health check reaches without the key

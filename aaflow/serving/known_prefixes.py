@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from aaflow.strategies import DEFAULT_BLOCK_TOKENS
+from aaflow.common.strategies import DEFAULT_BLOCK_TOKENS
 
 MIN_SHARED_TOKENS = DEFAULT_BLOCK_TOKENS  # a shared prefix must hold a KV block beyond the chat header
 FORGET_AFTER_S = 600.0  # a prefix no request has begun with for this long is forgotten

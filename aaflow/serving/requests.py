@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from aaflow.errors import AAFlowError
+from aaflow.common.errors import AAFlowError
 
 
 class RequestError(AAFlowError, ValueError):

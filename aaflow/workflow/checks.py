@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from aaflow.errors import WorkflowError
+from aaflow.common.errors import WorkflowError
 
 
 def check_unicode(owner: str, text: str) -> None:

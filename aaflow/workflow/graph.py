@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from aaflow.errors import WorkflowError
-from aaflow.strategies import STRATEGIES
+from aaflow.common.errors import WorkflowError
+from aaflow.common.strategies import STRATEGIES
 from aaflow.workflow.checks import check_agent_settings, check_rendered, check_unicode, checked_history, checked_ids
 
 

@@ -21,6 +21,6 @@ def workflow_yaml(folder, name: str, model: str, agents: dict[str, str], doc: st
 
 
 def doc_blocks_tokens(model: str, doc: str = DOC, block: int = 16) -> int:
-    from cluster.pins import prompt_prefix
+    from aaflow.cluster.pins import prompt_prefix
 
     return len(prompt_prefix(model, doc)) // block * block

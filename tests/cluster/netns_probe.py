@@ -1,4 +1,4 @@
-"""Run inside host 0 of a `cluster.netns.NetnsTestbed` by `tests/cluster/test_netns.py`: one replica of a
+"""Run inside host 0 of a `aaflow.cluster.netns.NetnsTestbed` by `tests/cluster/test_netns.py`: one replica of a
 model on each host's Ray node, the KV of a context moved from host 0 to host 1 over each transport
 named in argv, and the tokens generated after it compared with recomputing from tokens on host 1.
 Prints one JSON line: replica addresses and, per transport, tokens, reference tokens, KV bytes and
@@ -13,7 +13,7 @@ import sys
 import ray
 
 import aaflow as af
-from cluster.netns_layout import DEVICE, Layout
+from aaflow.cluster.netns_layout import DEVICE, Layout
 
 QUESTION = [5, 17, 42, 9, 3, 11]  # token ids (valid in every test model's vocabulary)
 CONTEXT = "Shared context: KV caches keep keys and values across agents on separate hosts. " * 6

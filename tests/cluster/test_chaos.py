@@ -5,8 +5,8 @@ run gives text's tokens and no KV is left behind. The replicas restart (Ray) aft
 from __future__ import annotations
 
 import aaflow as af
-from benchmarks.chaos_bench import chaos, replica_processes
-from cluster.transports import available_transports
+from aaflow.benchmarks.chaos_bench import chaos, replica_processes
+from aaflow.cluster.transports import available_transports
 
 
 def test_workflows_survive_random_replica_kills_with_texts_tokens(tiny_llama_dir):

@@ -25,7 +25,7 @@ REMOTE = transport_params()  # a transport not installed here is a skip naming i
 def replicas(smollm2_dir, tmp_path_factory):
     import ray
 
-    from cluster.actors import replica_actor, start_ray
+    from aaflow.cluster.actors import replica_actor, start_ray
 
     start_ray(num_cpus=2, temp_dir=None)
     a = replica_actor("src", str(smollm2_dir), num_cpus=0.5, dtype="bfloat16", threads=1, kv_cache_bytes=64 * 2**20)
@@ -78,7 +78,7 @@ def test_a_failed_transfer_raises_and_leaves_both_pools_consistent(replicas, tra
 def test_receiver_checks_model_and_shape_before_any_byte(replicas):
     import ray
 
-    from cluster.transfer_endpoint import KVShape
+    from aaflow.cluster.receive_checks import KVShape
 
     src, dst = replicas
     record = ray.get(src.materialize.remote(CONTEXT))

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 import aaflow as af
-from benchmarks.ray_head import REPO, start_head
+from aaflow.benchmarks.ray_head import REPO, start_head
 from tests.cluster.deployment_helpers import doc_blocks_tokens, workflow_yaml
 
 LEASE_S = 6.0  # the deployment's client lease: a killed client's runs go within seconds
@@ -39,7 +39,7 @@ def head(tmp_path_factory):
     from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
 
     # what Ray itself does before starting a local cluster: token auth on where a token exists
-    # (ray start does the same for the head; benchmarks/ray_head.py passes the mode to every client)
+    # (ray start does the same for the head; aaflow/benchmarks/ray_head.py passes the mode to every client)
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     saved = os.environ.pop("RAY_ADDRESS", None)
     try:
@@ -59,7 +59,7 @@ def test_connect_without_a_deployment_names_the_fix(head):
         af.connect(head.address)
     out = cli(head, "status", "--address", head.address, check=False)
     assert out.returncode == 2 and "no aaflow deployment" in out.stderr
-    from benchmarks.ray_head import free_ports
+    from aaflow.benchmarks.ray_head import free_ports
 
     with pytest.raises(af.DeploymentError, match="nothing answers at"):
         af.connect(f"127.0.0.1:{free_ports(1)[0]}")
@@ -178,7 +178,7 @@ def _computed_again(cluster, model, ids, replica) -> int:
 
 
 def test_pin_survives_pressure_until_its_ttl(deployment, model):
-    from cluster.pins import prompt_prefix
+    from aaflow.cluster.pins import prompt_prefix
 
     doc = "A pinned context, read by many workflows of many clients. " * 6
     ids = prompt_prefix(model, doc)

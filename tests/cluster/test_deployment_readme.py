@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ray_head import REPO
+from aaflow.benchmarks.ray_head import REPO
 from tests.cluster.deployment_helpers import doc_blocks_tokens, workflow_yaml
 
 
@@ -58,7 +58,7 @@ def readme_serve_blocks() -> tuple[str, str]:
 
 def newcomer_env(home) -> dict:
     """A newcomer's shell: HOME at `home`, no Ray auth settings of this test process, this checkout's CLI."""
-    from benchmarks.ray_head import client_env
+    from aaflow.benchmarks.ray_head import client_env
 
     env = client_env(HOME=str(home))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
@@ -73,7 +73,7 @@ def test_readme_deploy_example_runs_as_written_with_ray_jobs(model, tmp_path, to
     where ~/.ray/auth_token exists (Ray then turns token authentication on) and where it does not."""
     from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
 
-    from benchmarks.ray_head import start_head
+    from aaflow.benchmarks.ray_head import start_head
 
     commands = readme_deploy_commands()
     assert commands[0].startswith("ray start --head") and any(c.startswith("ray job submit") for c in commands)
@@ -111,8 +111,8 @@ def test_readme_deploy_example_runs_as_written_with_ray_jobs(model, tmp_path, to
 def _run_readme_serve_example(head, env: dict, model: str) -> None:
     """`aaflow serve` on the deployment, then the README's `openai` client (this head's port, the
     tiny model, a free HTTP port)."""
-    from benchmarks.http_load import wait_until_serving
-    from benchmarks.ray_head import free_ports
+    from aaflow.benchmarks.http_load import wait_until_serving
+    from aaflow.benchmarks.ray_head import free_ports
 
     command, client = readme_serve_blocks()
     assert command.startswith("aaflow serve --address 127.0.0.1:6379")
@@ -143,7 +143,7 @@ def _run_readme_commands(commands: list[str], head, env: dict, model: str, tmp_p
     for command in [*commands, "aaflow status --address 127.0.0.1:6379"]:
         for theirs, mine in zip(ports, ours):
             command = command.replace(f":{theirs}", f":{mine}")
-        command = command.replace('"$PWD/configs/workflows/review.yaml"', wf).replace("configs/workflows/review.yaml", wf)
+        command = command.replace('"$PWD/configs/workflows/review.yaml"', wf).replace("aaflow/configs/workflows/review.yaml", wf)
         command = command.replace("smollm2=2", f"{model}=2")
         if command.startswith("aaflow "):  # this checkout's CLI, whatever `aaflow` is installed
             command = f"{sys.executable} -m aaflow.cli {command[len('aaflow '):]}"

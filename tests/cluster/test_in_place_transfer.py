@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from aaflow.engine.kv_cache import KVLayout, PagedKVCache
-from aaflow.errors import KVTransferError
-from cluster.transports import get_transport
+from aaflow.common.errors import KVTransferError
+from aaflow.cluster.transports import get_transport
 from tests.cluster.transport_params import skip_unless
-from cluster.transports.segments import pair_up
+from aaflow.cluster.transports.segments import pair_up
 
 NIXL = skip_unless("nixl")
 
@@ -74,7 +74,7 @@ def test_nixl_copies_a_scatter_list_into_another_exactly():
 
 @pytest.fixture
 def two_replicas(tiny_llama_dir):
-    from cluster.replica import ModelReplica
+    from aaflow.cluster.replica import ModelReplica
 
     pair = [ModelReplica(name, str(tiny_llama_dir), dtype="float32", num_blocks=64) for name in ("src", "dst")]
     yield pair
@@ -114,9 +114,9 @@ def test_a_failed_in_place_fetch_frees_what_it_reserved(two_replicas):
 
 
 def test_an_in_place_link_costs_the_source_no_staging_copy():
-    from costmodel.edge import EdgeCase, predict_edge
-    from costmodel.hardware import HardwareProfile, LinkProfile, load_hardware
-    from costmodel.model_profile import KNOWN_MODELS
+    from aaflow.costmodel.edge import EdgeCase, predict_edge
+    from aaflow.costmodel.hardware import HardwareProfile, LinkProfile, load_hardware
+    from aaflow.costmodel.model_profile import KNOWN_MODELS
 
     model, hw = KNOWN_MODELS["smollm2"], load_hardware("a100-80gb")
     compute = hw.compute_for(model)

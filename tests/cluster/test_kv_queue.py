@@ -1,12 +1,12 @@
-"""Fair admission across runs on one replica's pool (cluster/kv_queue.py), on a real engine."""
+"""Fair admission across runs on one replica's pool (aaflow/cluster/kv_queue.py), on a real engine."""
 
 from __future__ import annotations
 
 import pytest
 
-from aaflow.errors import KVCapacityError
-from cluster import kv_queue
-from cluster.kv_queue import KVQueue
+from aaflow.common.errors import KVCapacityError
+from aaflow.cluster import kv_queue
+from aaflow.cluster.kv_queue import KVQueue
 
 
 class Clock:

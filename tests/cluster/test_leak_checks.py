@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from cluster.transports import get_transport
+from aaflow.cluster.transports import get_transport
 from tests.leak_checks import LeakWatch
 
 

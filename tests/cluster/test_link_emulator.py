@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from aaflow.errors import KVTransferError
-from cluster.transports import EmulatedLink, get_transport
-from cluster.transports.emulated import parse_link_spec
+from aaflow.common.errors import KVTransferError
+from aaflow.cluster.transports import EmulatedLink, get_transport
+from aaflow.cluster.transports.emulated import parse_link_spec
 from tests.cluster.transport_params import skip_unless
 
 MIB8 = 8 * 2**20

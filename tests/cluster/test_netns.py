@@ -1,5 +1,5 @@
 """Multi-host on one machine (issue 26, part 5): two network namespaces joined by a tbf-limited veth
-link, a Ray node in each (`cluster.netns.NetnsTestbed`), one replica of the tiny model on each. KV
+link, a Ray node in each (`aaflow.cluster.netns.NetnsTestbed`), one replica of the tiny model on each. KV
 moves from host 0 to host 1 over every installed transport across the real link and gives the
 tokens that recomputing from tokens gives (fp32, greedy); the link runs at about the tbf rate; the
 testbed listens only on addresses it made and leaves no namespace, link or process behind.
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.netns import NetnsTestbed
-from cluster.netns_layout import PREFIX, available, leftovers
-from cluster.netns_link import measure_link
+from aaflow.cluster.netns import NetnsTestbed
+from aaflow.cluster.netns_layout import PREFIX, available, leftovers
+from aaflow.cluster.netns_link import measure_link
 from tests.cluster.transport_params import REMOTE_TRANSPORTS, transport_params, unavailable
 
 RATE_MBIT = 200

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import aaflow as af
-from cluster.payload_refs import PayloadRefs
+from aaflow.cluster.payload_refs import PayloadRefs
 
 
 @pytest.fixture

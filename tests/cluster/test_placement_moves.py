@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
-from cluster.ray_backend import service_for
+from aaflow.cluster.ray_backend import service_for
 
 pytestmark = pytest.mark.smollm2
 

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 import aaflow as af
-from aaflow.calibration import calibrate
-from costmodel.hardware import HardwareProfile
-from costmodel.profile_store import model_key
+from aaflow.cluster.calibration import calibrate
+from aaflow.costmodel.hardware import HardwareProfile
+from aaflow.costmodel.profile_store import model_key
 from tests.frontend.test_workflow_run import DOC, map_reduce
 
 
@@ -42,7 +42,7 @@ def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):
 
 
 def test_a_quick_fit_off_by_too_much_is_measured_again_on_the_full_grid(calibrated, monkeypatch):
-    import aaflow.calibration as calibration
+    import aaflow.cluster.calibration as calibration
 
     cluster, *_ = calibrated
     monkeypatch.setattr(calibration, "QUICK_FIT_MAX_ERROR", -1.0)  # any quick fit is off by too much
@@ -93,7 +93,7 @@ def test_plan_without_a_cluster_uses_the_named_dtype(calibrated):
 
 def test_plan_without_a_profile_says_to_calibrate(calibrated, monkeypatch, tmp_path):
     _, model, _, _ = calibrated
-    monkeypatch.setattr("costmodel.profile_store.default_profile_name", lambda: "never-calibrated-host")
+    monkeypatch.setattr("aaflow.costmodel.profile_store.default_profile_name", lambda: "never-calibrated-host")
     monkeypatch.setenv("AAFLOW_CACHE_DIR", str(tmp_path))
     with pytest.raises(af.CostModelError, match="aaflow calibrate"):
         af.plan(map_reduce(model), {model: 2})
@@ -104,10 +104,10 @@ def test_the_profile_read_on_every_auto_run_is_reread_once_its_file_changes(cali
     file comes back as the same object, a recalibrated one is read again."""
     from dataclasses import replace
 
-    from costmodel.profile_store import cached_profile_path, find_profile
+    from aaflow.costmodel.profile_store import cached_profile_path, find_profile
 
     _, _, profile, _ = calibrated
-    monkeypatch.setattr("costmodel.profile_store.default_profile_name", lambda: "memo-test-host")
+    monkeypatch.setattr("aaflow.costmodel.profile_store.default_profile_name", lambda: "memo-test-host")
     monkeypatch.setenv("AAFLOW_CACHE_DIR", str(tmp_path))
     path = cached_profile_path("memo-test-host")
     path.parent.mkdir(parents=True, exist_ok=True)

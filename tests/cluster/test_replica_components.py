@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from aaflow.engine.sampling import SamplingParams
-from aaflow.errors import KVRefFreedError
-from cluster.faults import FaultInjection
-from cluster.observed import observed
-from cluster.replica import ModelReplica
-from cluster.replica_api import default_transport
-from cluster.transports.registry import PREFERRED, available_transports, best_transport
+from aaflow.common.errors import KVRefFreedError
+from aaflow.cluster.faults import FaultInjection
+from aaflow.cluster.observed import observed
+from aaflow.cluster.replica import ModelReplica
+from aaflow.cluster.replica_api import default_transport
+from aaflow.cluster.transports.registry import PREFERRED, available_transports, best_transport
 
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 import aaflow as af
-from cluster.ray_backend import service_for
+from aaflow.cluster.ray_backend import service_for
 
 
 def one_agent(model: str, name: str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from aaflow.engine.sampling import SamplingParams
-from cluster.replica import ModelReplica
+from aaflow.cluster.replica import ModelReplica
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 

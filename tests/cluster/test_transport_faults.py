@@ -29,7 +29,7 @@ MARGIN_S = 25.0  # Ray call overhead on a loaded 2-core machine; a hang would ex
 def ray_session():
     import ray
 
-    from cluster.actors import start_ray
+    from aaflow.cluster.actors import start_ray
 
     start_ray(num_cpus=2)
     yield ray
@@ -37,7 +37,7 @@ def ray_session():
 
 
 def _replica(ray, tiny_llama_dir, role: str):
-    from cluster.actors import replica_actor
+    from aaflow.cluster.actors import replica_actor
 
     actor = replica_actor(f"{role}-{uuid.uuid4().hex[:6]}", str(tiny_llama_dir), num_cpus=0, dtype="float32",
                           threads=1, num_blocks=64)
@@ -182,7 +182,7 @@ def torch_equal(a, b) -> bool:
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir):
     """A 2-replica cluster in this module's Ray (after the raw replica pairs)."""
-    from aaflow.calibration import ensure_profile
+    from aaflow.cluster.calibration import ensure_profile
 
     c = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
     ensure_profile(c)

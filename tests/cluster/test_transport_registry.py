@@ -11,15 +11,15 @@ import dataclasses
 import pytest
 import torch
 
-from aaflow.errors import KVTransferError
-from cluster.transports import (
+from aaflow.common.errors import KVTransferError
+from aaflow.cluster.transports import (
     Transport,
     TransportUnavailableError,
     available_transports,
     get_transport,
     register_transport,
 )
-from cluster.transports import registry as transport_registry
+from aaflow.cluster.transports import registry as transport_registry
 from tests.cluster.transport_peers import BACKENDS, TINY, make_kv
 
 

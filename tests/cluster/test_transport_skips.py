@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from cluster.transports import registry
+from aaflow.cluster.transports import registry
 from tests.cluster import transport_params
 
 

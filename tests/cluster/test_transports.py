@@ -18,8 +18,8 @@ import tempfile
 import pytest
 import torch
 
-from cluster.transports import available_transports
-from cluster.transports.local import LocalHandle
+from aaflow.cluster.transports import available_transports
+from aaflow.cluster.transports.local import LocalHandle
 from tests.cluster.transport_peers import BACKENDS, FAST_S, SMOLLM2_77, SMOLLM2_512, TINY, Peer, RemotePeer
 
 SPECS = [
@@ -39,7 +39,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants
 
-    from cluster.actors import loopback_only
+    from aaflow.cluster.actors import loopback_only
 
     saved = os.environ.get(_RAY_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
     loopback_only()  # restored below, so later modules see Ray's defaults

@@ -39,7 +39,7 @@ def two_nodes(tiny_llama_dir):
     """Two Ray nodes (1 CPU each) bound to loopback, and one replica of the tiny model on each."""
     from ray.cluster_utils import Cluster as RayTestCluster
 
-    from cluster.actors import default_temp_dir, loopback_only
+    from aaflow.cluster.actors import default_temp_dir, loopback_only
 
     assert not ray.is_initialized(), "another test module left Ray running in this process"
     has_ss = shutil.which("ss") is not None
@@ -122,7 +122,7 @@ def test_the_two_node_cluster_listens_on_loopback_only(two_nodes):
 JOIN = """
 import sys
 import ray
-from cluster.actors import start_ray
+from aaflow.cluster.actors import start_ray
 start_ray(address=sys.argv[1])
 print(sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]))
 ray.shutdown()

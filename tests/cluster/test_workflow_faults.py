@@ -44,7 +44,7 @@ def test_a_replica_restarted_between_two_calls_is_recovered_with_identical_outpu
 
     import ray
 
-    from benchmarks.chaos_bench import replica_processes
+    from aaflow.benchmarks.chaos_bench import replica_processes
 
     model = str(tiny_llama_dir)
     cluster = af.init(replicas={model: 1}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20, restarts=-1)
@@ -91,9 +91,9 @@ def test_a_shared_prefix_gone_with_a_restarted_replica_does_not_fail_the_finishe
     """A replica that dies after the run's last use of a shared prefix and is restarted by Ray
     before the run frees it answers the free with KVRefFreedError (chaos test, fan_out/transfer):
     the agents' texts stand, nothing is left to free. Simulated: every free answers so after freeing."""
-    from aaflow.errors import KVRefFreedError
+    from aaflow.common.errors import KVRefFreedError
     from aaflow.runtime.calls import FreeCall
-    from cluster.ray_backend import RayBackend
+    from aaflow.cluster.ray_backend import RayBackend
 
     cluster, model = fresh_cluster
     wf = fan_out(model)
@@ -147,7 +147,7 @@ def test_a_failed_run_leaves_no_kv_behind(fresh_cluster):
 
 @pytest.mark.smollm2
 def test_smollm2_review_workflow_identical_across_strategies_in_fp32(smollm2_dir):
-    from configs import CONFIG_DIR
+    from aaflow.configs import CONFIG_DIR
 
     wf = af.load_workflow(CONFIG_DIR / "workflows" / "review.yaml")
     cluster = af.init(replicas={"smollm2": 2}, num_cpus=2, dtype="float32")

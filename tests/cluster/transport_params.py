@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.transports import available_transports
+from aaflow.cluster.transports import available_transports
 
 REMOTE_TRANSPORTS = ("ray", "nixl", "ucx")  # every backend that moves KV between processes
 

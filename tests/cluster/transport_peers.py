@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from cluster.transports import Transport, get_transport
-from cluster.transports.base import as_bytes
+from aaflow.cluster.transports import Transport, get_transport
+from aaflow.cluster.transports.base import as_bytes
 
 BACKENDS = ["local", "ray", "nixl", "ucx"]
 

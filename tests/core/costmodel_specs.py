@@ -4,9 +4,9 @@ of hardware profiles, clusters, agents and uniform strategy assignments."""
 
 from __future__ import annotations
 
-from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
-from costmodel.model_profile import ModelProfile
-from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
+from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+from aaflow.costmodel.model_profile import ModelProfile
+from aaflow.costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
 SMOLLM2 = ModelProfile("m", layers=30, kv_heads=3, head_dim=64, num_heads=9, params=135_000_000)  # 23,040 B/token
 

@@ -7,7 +7,7 @@ import inspect
 
 from aaflow.runtime import calls
 from aaflow.runtime.calls import Call, CallKind, MixedCall, PrefillRequest, ReceiveCall
-from cluster.replica_api import Replica
+from aaflow.cluster.replica_api import Replica
 
 
 def _call_classes() -> list[type[Call]]:

@@ -9,7 +9,7 @@ import torch
 
 from aaflow.runtime.calls import MaterializeCall, OpenCall, PackCall, PrefillCall, PrefillRequest
 from aaflow.runtime.core_lending import lent_threads
-from cluster.replica import ModelReplica
+from aaflow.cluster.replica import ModelReplica
 
 
 def _replicas(*specs):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from aaflow.errors import CostModelError
-from aaflow.planning.split import candidate_splits, choose_split
-from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+from aaflow.common.errors import CostModelError
+from aaflow.cluster.planning.split import candidate_splits, choose_split
+from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
 from tests.frontend.test_workflow_run import chain, map_reduce
 
 ONE_THREAD = ComputeProfile(prefill_fixed_s=0.004, prefill_s_per_token=2e-4, prefill_s_per_token_ctx=1e-8,

@@ -16,13 +16,13 @@ import sys
 import numpy as np
 import pytest
 
-from aaflow.errors import CostModelError
-from costmodel.fitting import (compute_profile_from_samples, fit_decode, fit_link, fit_prefill, fit_quality,
+from aaflow.common.errors import CostModelError
+from aaflow.costmodel.fitting import (compute_profile_from_samples, fit_decode, fit_link, fit_prefill, fit_quality,
                                   with_member_cost)
-from costmodel.edge import EdgeCase, predict_edge
-from costmodel.hardware import ComputeProfile, LinkProfile, load_hardware
-from costmodel.model_profile import KNOWN_MODELS, model_profile
-from costmodel.whatif import (break_even_bandwidth, break_even_bandwidth_flops, break_even_context,
+from aaflow.costmodel.edge import EdgeCase, predict_edge
+from aaflow.costmodel.hardware import ComputeProfile, LinkProfile, load_hardware
+from aaflow.costmodel.model_profile import KNOWN_MODELS, model_profile
+from aaflow.costmodel.whatif import (break_even_bandwidth, break_even_bandwidth_flops, break_even_context,
                               transfer_speedup)
 
 # simple numbers for hand-computed timelines: prefill 1 s + 0.1 s/token, decode 0.5 s/step
@@ -213,7 +213,7 @@ def test_simulated_pack_charges_each_extra_member():
 
 
 def test_contention_estimate_uses_both_solo_timings_and_reports_drift():
-    from aaflow.calibration_cores import slowdown_estimate
+    from aaflow.cluster.calibration_cores import slowdown_estimate
 
     estimate, drift = slowdown_estimate(before=[1.0, 2.0], together=[1.2, 2.4], after=[1.0, 2.0])
     assert estimate == pytest.approx(1.2) and drift == 0

@@ -1,4 +1,4 @@
-"""The planner (`aaflow.planning.search`) on hand-built profiles and the simulated clock (no Ray, no
+"""The planner (`aaflow.planner.search`) on hand-built profiles and the simulated clock (no Ray, no
 engine): near-ties won by less work, sharing that never loses to text, slow links avoided and fast
 ones used, large workflows searched by groups of interchangeable agents, the fall-back to text, and
 the plan's explanation. The simulator's own timelines: test_costmodel_simulator.py."""
@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-import aaflow.planning.search as planner_module
-from aaflow.planning.search import (MAKESPAN_TIE, MIN_GAIN_OVER_TEXT, PER_AGENT_SEARCH_MAX, interchangeable_groups,
+import aaflow.planner.search as planner_module
+from aaflow.planner.search import (MAKESPAN_TIE, MIN_GAIN_OVER_TEXT, PER_AGENT_SEARCH_MAX, interchangeable_groups,
                                     plan_workflow)
-from aaflow.planning.simulate import simulate
-from costmodel.hardware import ComputeProfile
-from costmodel.workflow_spec import WorkflowSpec
+from aaflow.planner.simulate import simulate
+from aaflow.costmodel.hardware import ComputeProfile
+from aaflow.costmodel.workflow_spec import WorkflowSpec
 from tests.core.costmodel_specs import CPU, SMOLLM2, agent, cluster, hardware, uniform
 
 

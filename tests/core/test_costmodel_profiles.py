@@ -14,10 +14,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from aaflow.errors import CostModelError
-from costmodel.hardware import HardwareProfile, LinkProfile, available_hardware, hardware_dir, load_hardware
-from costmodel.model_profile import KNOWN_MODELS, ModelProfile, estimate_params, model_profile
-from costmodel.units import format_bandwidth, format_seconds, gbps, parse_bandwidth, parse_duration
+from aaflow.common.errors import CostModelError
+from aaflow.costmodel.hardware import HardwareProfile, LinkProfile, available_hardware, hardware_dir, load_hardware
+from aaflow.costmodel.model_profile import KNOWN_MODELS, ModelProfile, estimate_params, model_profile
+from aaflow.costmodel.units import format_bandwidth, format_seconds, gbps, parse_bandwidth, parse_duration
 
 LLAMA3_8B_CONFIG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -148,7 +148,7 @@ def test_link_strings_and_compute_for():
 
 
 def test_scaled_compute_scales_every_term_and_rejects_bad_factors():
-    from costmodel.hardware import ComputeProfile, HardwareProfile
+    from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile
 
     c = ComputeProfile(0.1, 1e-3, 1e-6, 0.05, 1e-3, 1e-5)
     twice = c.scaled(2.0)

@@ -1,4 +1,4 @@
-"""The scheduler on the simulated clock (`aaflow.planning.simulate`), on hand-built profiles (no Ray,
+"""The scheduler on the simulated clock (`aaflow.planner.simulate`), on hand-built profiles (no Ray,
 no engine): hand-computed timelines of one agent, a streamed chain, fan-outs and packed prefills, a
 move slower than a prefill, prefills on lent cores, and errors that name the agent. The planner that
 searches over it: test_costmodel_planner.py."""
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from aaflow.errors import CostModelError
-from aaflow.planning.search import MAKESPAN_TIE
-from aaflow.planning.simulate import simulate
-from costmodel.hardware import ComputeProfile, HardwareProfile
-from costmodel.workflow_spec import AgentTask, WorkflowSpec
+from aaflow.common.errors import CostModelError
+from aaflow.planner.search import MAKESPAN_TIE
+from aaflow.planner.simulate import simulate
+from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile
+from aaflow.costmodel.workflow_spec import AgentTask, WorkflowSpec
 from tests.core.costmodel_specs import CPU, SMOLLM2, agent, cluster, hardware, uniform
 
 O = 0.002  # the simulator's default call overhead (s)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import aaflow as af
-from aaflow.strategies import STRATEGIES
+from aaflow.common.strategies import STRATEGIES
 from tests.cluster_checks import assert_no_kv_left
 from tests.factories import make_tiny_model
 

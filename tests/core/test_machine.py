@@ -3,9 +3,9 @@
 import platform
 
 from aaflow.engine.dtypes import native_bf16
-from aaflow.machine import cpu_kind, cpu_model
-from costmodel.hardware import HardwareProfile, hardware_dir
-from costmodel.profile_store import default_profile_name
+from aaflow.common.machine import cpu_kind, cpu_model
+from aaflow.costmodel.hardware import HardwareProfile, hardware_dir
+from aaflow.costmodel.profile_store import default_profile_name
 
 KNOWN_ISAS = ("amx", "avx512bf16", "avx512", "avx2")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import aaflow as af
-from operators import EvictionPolicy, KVHost, extend
+from aaflow.operators import EvictionPolicy, KVHost, extend
 
 DOC = list(range(10, 10 + 100))  # 100 tokens
 QUESTION = [200, 201, 202, 203]

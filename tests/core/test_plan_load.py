@@ -1,5 +1,5 @@
 """`af.plan_load`: a load of workflows predicted on the simulated clock by the cluster loop's
-scheduler (aaflow/planning/load.py)."""
+scheduler (aaflow/cluster/planning/load.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from aaflow.runtime.prefix_costs import PrefixCosts
 from aaflow.runtime.prefix_key import PlacedPrefix, PrefixKey
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.scheduler_state import SchedulerState
-from costmodel.hardware import ComputeProfile, LinkProfile
+from aaflow.costmodel.hardware import ComputeProfile, LinkProfile
 
 PREFIX = PrefixKey("m", tuple(range(1000)), None)
 KV_BYTES_PER_TOKEN = 10_000  # 10 MB for the prefix
@@ -90,10 +90,10 @@ def test_the_simulated_clock_weighs_the_same_costs():
     """Six agents sharing one prefix on two replicas under `transfer`: over a fast link the second
     replica receives the prefix; over a link so slow that moving it costs more than its prefill, it
     computes it itself, and the run ends sooner than it would waiting for the move."""
-    from aaflow.planning.simulate import simulate
-    from costmodel.hardware import HardwareProfile
-    from costmodel.model_profile import ModelProfile
-    from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
+    from aaflow.planner.simulate import simulate
+    from aaflow.costmodel.hardware import HardwareProfile
+    from aaflow.costmodel.model_profile import ModelProfile
+    from aaflow.costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
     model = ModelProfile("m", layers=30, kv_heads=3, head_dim=64, num_heads=9, params=135_000_000)
     compute = ComputeProfile(0.005, 1e-4, 1e-8, 0.02, 1e-4, 1e-7)  # 0.2 s for the 2,000-token prefix

@@ -4,14 +4,14 @@ measured ones."""
 
 from __future__ import annotations
 
-from costmodel.hardware import ComputeProfile, LinkProfile
+from aaflow.costmodel.hardware import ComputeProfile, LinkProfile
 
 
 def test_the_simulated_clock_tallies_moves_with_their_predicted_and_measured_seconds(monkeypatch):
-    import aaflow.planning.simulate as simulate_module
-    from costmodel.hardware import HardwareProfile
-    from costmodel.model_profile import ModelProfile
-    from costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
+    import aaflow.planner.simulate as simulate_module
+    from aaflow.costmodel.hardware import HardwareProfile
+    from aaflow.costmodel.model_profile import ModelProfile
+    from aaflow.costmodel.workflow_spec import AgentTask, ClusterSpec, WorkflowSpec
 
     tallies = []
 

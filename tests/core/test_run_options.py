@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import aaflow as af
-from cluster.ray_backend import service_for
+from aaflow.cluster.ray_backend import service_for
 from tests.cluster_checks import assert_no_kv_left
 
 

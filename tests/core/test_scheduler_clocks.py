@@ -11,8 +11,8 @@ from aaflow.runtime.backend import Backend
 from aaflow.runtime.executor import workflow_agents
 from aaflow.runtime.scheduler import Scheduler
 from aaflow.runtime.sim_backend import SimBackend
-from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
-from costmodel.model_profile import ModelProfile
+from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+from aaflow.costmodel.model_profile import ModelProfile
 from tests.cluster_checks import assert_no_kv_left, fixed_length_chain
 
 
@@ -61,7 +61,7 @@ def simulated(cluster, model: str) -> SimBackend:
 
 @pytest.mark.parametrize("strategy", ["text", "recompute"])
 def test_a_chain_issues_the_same_calls_on_ray_and_on_the_simulated_clock(two_replicas, strategy):
-    from cluster.ray_backend import RayBackend
+    from aaflow.cluster.ray_backend import RayBackend
 
     cluster, model = two_replicas
     wf = fixed_length_chain(model)

@@ -10,7 +10,7 @@ import pytest
 
 import aaflow as af
 from aaflow.runtime.calls import CallKind
-from cluster.ray_backend import service_for
+from aaflow.cluster.ray_backend import service_for
 from tests.cluster_checks import assert_no_kv_left
 from tests.frontend.test_workflow_run import chain, fan_out, map_reduce
 
@@ -161,7 +161,7 @@ def test_calls_of_a_stopped_service_are_refused(tiny_llama_dir):
 @pytest.mark.smollm2
 def test_smollm2_burst_from_threads_completes_with_each_workflows_own_tokens(smollm2_dir):
     """The serving benchmark's load, small: every workflow completes with the tokens it gives alone."""
-    from benchmarks.serve_shapes import documents, serve_workflows
+    from aaflow.benchmarks.serve_shapes import documents, serve_workflows
 
     workflows = serve_workflows(12, documents(3, 200), 8)
     cluster = af.init(replicas={"smollm2": 1}, num_cpus=2, dtype="float32", kv_cache_bytes=64 * 2**20)
@@ -182,8 +182,8 @@ def _sim_scheduler(model: str):
     from aaflow.runtime import prompt_builders
     from aaflow.runtime.scheduler import Scheduler
     from aaflow.runtime.sim_backend import SimBackend
-    from costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
-    from costmodel.model_profile import ModelProfile
+    from aaflow.costmodel.hardware import ComputeProfile, HardwareProfile, LinkProfile
+    from aaflow.costmodel.model_profile import ModelProfile
 
     compute = ComputeProfile(0.005, 1e-4, 1e-8, 0.02, 1e-4, 1e-7)
     hardware = HardwareProfile("test-box", False, "hand-built", 2e10, {"tiny": compute}, {"ray": LinkProfile(5e9)})

@@ -11,8 +11,8 @@ from aaflow.engine.sampling import SamplingParams
 from aaflow.runtime.agent_state import AgentState
 from aaflow.runtime.results import AgentResult
 from aaflow.runtime.step_groups import GROUP_STEPS, GROUP_TOKENS, steps_per_call, stops
-from cluster.step_group_runner import StepStop, run_steps
-from cluster.replica import ModelReplica
+from aaflow.cluster.step_group_runner import StepStop, run_steps
+from aaflow.cluster.replica import ModelReplica
 
 GREEDY = SamplingParams(max_new_tokens=64, temperature=0.0)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aaflow.engine.dtypes import native_bf16, resolve_dtype
-from benchmarks.common import add_dtype_argument
+from aaflow.benchmarks.common import add_dtype_argument
 
 
 def test_auto_follows_the_cpu():
@@ -39,7 +39,7 @@ def test_bench_dtype_argument_resolves_when_parsed():
 
 
 def test_bench_pools_scale_with_the_dtype():
-    from benchmarks.common import kv_bytes_per_token
+    from aaflow.benchmarks.common import kv_bytes_per_token
 
     assert kv_bytes_per_token("bfloat16") == 23040  # SmolLM2: 30 layers x K/V x 3 heads x 64 x 2 bytes
     assert kv_bytes_per_token("float32") == 46080

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine.amx_attention import AMX, amx_attention, amx_kernel, merge_parts
-from aaflow.machine import matrix_isa
+from aaflow.common.machine import matrix_isa
 
 pytestmark = pytest.mark.skipif(matrix_isa() != "amx" or AMX.load() is None,
                                 reason="needs a CPU with AMX and the kernel built (the engine uses torch's flash elsewhere)")

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from aaflow.engine.linear import Linear, fp32_on_onednn
-from aaflow.machine import cpu_vendor
+from aaflow.common.machine import cpu_vendor
 
 
 def test_fp32_goes_to_onednn_on_amd_only_and_bf16_never():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aaflow.engine.attention import AttentionBatch, PackedBatch, prefill_parts
-from aaflow.errors import KVCapacityError, PromptError
+from aaflow.common.errors import KVCapacityError, PromptError
 
 SHARED = list(range(3, 3 + 64))  # four full blocks of 16
 

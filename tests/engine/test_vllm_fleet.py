@@ -1,6 +1,6 @@
-"""`benchmarks.vllm_fleet`: N real `vllm serve` instances behind a real `vllm-router` (.venv-vllm).
+"""`aaflow.benchmarks.vllm_fleet`: N real `vllm serve` instances behind a real `vllm-router` (.venv-vllm).
 
-Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm with vllm-router. Two eager
+Skips unless `bash scripts/setup_vllm_env.sh` has made .venv-vllm with vllm-router. Two eager
 instances with 32-token blocks, one core each, 1 GiB of KV each; a small load of the serving
 shape through the router from the same `openai` client `bench serve --replicas` uses, under two
 policies; vLLM's own counters read from the instances' /metrics.
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_subprocess import VLLM_PYTHON
+from aaflow.benchmarks.vllm_subprocess import VLLM_PYTHON
 
 
 @pytest.fixture(scope="module")
 def fleet():
     if not (VLLM_PYTHON.parent / "vllm-router").exists():
-        pytest.skip("vLLM or vllm-router is not installed: run `bash benchmarks/setup_vllm_env.sh`")
+        pytest.skip("vLLM or vllm-router is not installed: run `bash scripts/setup_vllm_env.sh`")
     from aaflow.models import resolve_model_path
-    from benchmarks.vllm_config import VllmConfig
-    from benchmarks.vllm_fleet import VllmFleet, split_cores
+    from aaflow.benchmarks.vllm_config import VllmConfig
+    from aaflow.benchmarks.vllm_fleet import VllmFleet, split_cores
 
     with VllmFleet(str(resolve_model_path("smollm2", quiet=True)), VllmConfig("eager", 32), split_cores(2, 2),
                    1 << 30, "float32", policy="round_robin") as fleet:
@@ -27,8 +27,8 @@ def fleet():
 
 
 def test_a_load_through_the_router_under_two_policies(fleet):
-    from benchmarks.serve_replicas import fleet_load
-    from benchmarks.serve_shapes import documents, serve_workflows
+    from aaflow.benchmarks.serve_replicas import fleet_load
+    from aaflow.benchmarks.serve_shapes import documents, serve_workflows
 
     workflows = serve_workflows(4, documents(2, 150), 4)
     for policy in ("round_robin", "cache_aware"):
@@ -50,10 +50,10 @@ def test_a_policy_the_router_does_not_have_is_refused(fleet):
 
 def test_a_missing_router_is_named_with_the_command_that_installs_it(tmp_path, monkeypatch):
     """Runs without vLLM: the fleet checks for vllm-router before it starts any instance."""
-    import benchmarks.vllm_fleet as vllm_fleet
-    from benchmarks.vllm_config import VllmConfig
-    from benchmarks.vllm_subprocess import VllmError
+    import aaflow.benchmarks.vllm_fleet as vllm_fleet
+    from aaflow.benchmarks.vllm_config import VllmConfig
+    from aaflow.benchmarks.vllm_subprocess import VllmError
 
     monkeypatch.setattr(vllm_fleet, "VLLM_PYTHON", tmp_path / "bin" / "python")  # a venv without vllm-router
-    with pytest.raises(VllmError, match=r"vllm-router not found: run `bash benchmarks/setup_vllm_env.sh`"):
+    with pytest.raises(VllmError, match=r"vllm-router not found: run `bash scripts/setup_vllm_env.sh`"):
         vllm_fleet.VllmFleet("model", VllmConfig("graph", 32), [[0], [1]], 1 << 30, "float32")

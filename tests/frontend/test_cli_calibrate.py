@@ -9,7 +9,7 @@ import shutil
 
 import aaflow as af
 from aaflow import cli
-from costmodel.hardware import HardwareProfile, hardware_dir
+from aaflow.costmodel.hardware import HardwareProfile, hardware_dir
 
 
 class _NoCluster:

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="pip install 'hypothesis>=6.100,<7' (the test extra)")
 
-from benchmarks.fuzz import SURFACE_NAMES, make_models, make_surface, run_surface  # noqa: E402
+from aaflow.benchmarks.fuzz import SURFACE_NAMES, make_models, make_surface, run_surface  # noqa: E402
 
 EXAMPLES = {"workflow_graphs": 60, "yaml_files": 40, "operator_arguments": 60, "kv_payloads": 80}
 
@@ -45,7 +45,7 @@ def test_the_fuzzer_reports_an_untyped_error(fuzz_models, monkeypatch):
     def broken(n):
         raise KeyError("not a typed error")
 
-    monkeypatch.setattr(importlib.import_module("operators.fork"), "check_fork_count", broken)
+    monkeypatch.setattr(importlib.import_module("aaflow.operators.fork"), "check_fork_count", broken)
     with make_surface("operator_arguments", *fuzz_models) as s:
         report = run_surface(s, 60, seed=1)
     assert report.untyped > 0 and "KeyError" in report.failures[0]["error"]

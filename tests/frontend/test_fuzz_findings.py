@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
-from operators import EvictionPolicy, KVHost
+from aaflow.operators import EvictionPolicy, KVHost
 
 
 @pytest.fixture
@@ -60,8 +60,8 @@ def test_generate_refuses_unknown_keywords_and_takes_one_stop_string(host):
 
 
 def test_imports_of_damaged_payloads_are_kv_import_errors(tiny_engine, tmp_path):
-    from operators import KVPayload
-    from operators.spill import load_spilled, spill_export
+    from aaflow.operators import KVPayload
+    from aaflow.operators.spill import load_spilled, spill_export
 
     seq = tiny_engine.new_sequence()
     tiny_engine.prefill(seq, [5, 6, 7])
@@ -92,7 +92,7 @@ def test_imports_of_damaged_payloads_are_kv_import_errors(tiny_engine, tmp_path)
     ({"agents": {"a": {"model": "m", "prompt": "x"}}, "kv_ops": {"k": {"op": "fork"}}}, "needs at least one input"),
 ])
 def test_malformed_workflow_mappings_are_workflow_errors(raw, message):
-    from aaflow.workflow.yaml_io import workflow_from_dict
+    from aaflow.workflow_files import workflow_from_dict
 
     with pytest.raises(af.WorkflowError, match=message):
         workflow_from_dict(raw)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import aaflow as af
-from benchmarks.ray_head import REPO, free_ports
+from aaflow.benchmarks.ray_head import REPO, free_ports
 
 pytest.importorskip("langgraph")
 pytest.importorskip("langchain_openai")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-import aaflow.progress as progress
+import aaflow.common.progress as progress
 
 
 def test_stages_name_each_stage_and_end_full(monkeypatch, capsys):

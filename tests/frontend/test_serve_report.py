@@ -1,11 +1,11 @@
-"""The serving table `aaflow report` writes (benchmarks/serve_report.py): verdicts by shape."""
+"""The serving table `aaflow report` writes (aaflow/benchmarks/serve_report.py): verdicts by shape."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.report import rewrite
-from benchmarks.serve_report import BEGIN, END, table, verdict
+from aaflow.benchmarks.report import rewrite
+from aaflow.benchmarks.serve_report import BEGIN, END, table, verdict
 
 BURST = {"workflows": 64, "documents": 8, "repeats": 3}
 PRESSURED = {"workflows": 64, "documents": 64, "repeats": 3}

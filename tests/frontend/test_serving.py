@@ -24,7 +24,7 @@ SYSTEM = "You are a careful reviewer."
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
     from aaflow.serving import BackgroundServer, serving_app
-    from benchmarks.ray_head import free_ports
+    from aaflow.benchmarks.ray_head import free_ports
 
     model = str(tiny_llama_dir)
     cluster = af.init(replicas={model: 2}, dtype="float32")

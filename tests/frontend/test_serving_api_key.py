@@ -21,7 +21,7 @@ KEY = "test-key-7f3a"
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
     from aaflow.serving import BackgroundServer, serving_app
-    from benchmarks.ray_head import free_ports
+    from aaflow.benchmarks.ray_head import free_ports
 
     cluster = af.init(replicas={str(tiny_llama_dir): 1}, dtype="float32")
     server = BackgroundServer(serving_app(cluster, api_key=KEY), port=free_ports(1)[0])

@@ -68,7 +68,7 @@ def test_a_chat_request_prefills_the_chat_template_tokenized_whole(tokenizer, ca
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
     from aaflow.serving import BackgroundServer, serving_app
-    from benchmarks.ray_head import free_ports
+    from aaflow.benchmarks.ray_head import free_ports
 
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")

@@ -1,4 +1,4 @@
-"""`benchmarks.vllm_config` and the fastest-configuration choice: the peer at its best, recorded.
+"""`aaflow.benchmarks.vllm_config` and the fastest-configuration choice: the peer at its best, recorded.
 
 No vLLM needed: the configurations a benchmark tries, their validation, and which one a workflow
 keeps (`baseline_engines.fastest_config`). The runners that start them are tested where vLLM runs
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.baseline_engines import fastest_config
-from benchmarks.vllm_config import VllmConfig, code_commit, grid
+from aaflow.benchmarks.baseline_engines import fastest_config
+from aaflow.benchmarks.vllm_config import VllmConfig, code_commit, grid
 
 
 def test_the_default_grid_tries_both_block_sizes_in_both_modes():

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.smollm2
 
 @pytest.fixture(scope="module")
 def bf16_cluster(smollm2_dir):
-    from aaflow.calibration import ensure_profile
+    from aaflow.cluster.calibration import ensure_profile
 
     cluster = af.init(replicas={str(smollm2_dir): 2}, num_cpus=2, dtype="bfloat16", deterministic=True,
                       kv_cache_bytes=64 * 2**20)

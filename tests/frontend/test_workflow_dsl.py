@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import aaflow as af
-from aaflow.workflow import workflow_from_dict
+from aaflow.workflow_files import workflow_from_dict
 
 
 def review_workflow():
@@ -104,7 +104,7 @@ def test_yaml_round_trip_with_forward_references():
 def test_save_workflow_writes_a_yaml_that_loads_as_the_same_workflow(tmp_path):
     """Every setting that differs from its default, KV operator options and a conversation history
     survive the trip through YAML; the shipped review (contexts from files) does too."""
-    from configs import CONFIG_DIR
+    from aaflow.configs import CONFIG_DIR
 
     wf = af.Workflow("all-settings")
     guide, notes = wf.context("guide", "A style guide: ünïcode kept."), wf.context("notes", "Notes.")

@@ -14,7 +14,7 @@ DOC = "Shared context: KV caches keep keys and values. " * 8
 
 @pytest.fixture(scope="module")
 def tiny_cluster(tiny_llama_dir):
-    from aaflow.calibration import ensure_profile
+    from aaflow.cluster.calibration import ensure_profile
 
     cluster = af.init(replicas={str(tiny_llama_dir): 2}, num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20)
     ensure_profile(cluster)  # auto's planner calibrates on first use: do it before any counter is read

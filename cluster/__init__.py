@@ -1,1 +1,0 @@
-"""aaflow cluster package."""

@@ -1,5 +1,0 @@
-"""YAML configuration shipped with aaflow: model registry, hardware profiles, workflows."""
-
-from pathlib import Path
-
-CONFIG_DIR = Path(__file__).resolve().parent
