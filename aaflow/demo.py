@@ -9,6 +9,7 @@ import aaflow as af
 from aaflow.engine.dtypes import resolve_dtype
 from aaflow.benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
 from aaflow.configs import CONFIG_DIR
+from aaflow.runtime.probe_calls import ClearPrefixCacheCall
 
 PAPER_TOKENS = 560  # SmolLM2 tokens in aaflow/configs/workflows/paper.txt
 
@@ -60,7 +61,7 @@ def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "
         for i in range(rounds):  # alternating, the order rotated, so that both strategies see the same machine
             for strategy in (list(walls) if i % 2 == 0 else list(walls)[::-1]):
                 for r in cluster.replicas():  # every run starts cold
-                    r.actor.clear_prefix_cache.remote()
+                    r.actor.run.remote(ClearPrefixCacheCall())
                 print(f"round {i + 1}/{rounds}: running with strategy={strategy} ...", flush=True)
                 results[strategy] = af.run(wf, cluster, strategy=strategy)
                 walls[strategy].append(results[strategy].total_s)  # end to end, as vLLM's side is timed

@@ -29,8 +29,10 @@ def _transfer_once(ray, src, dst, ref_id: str, transport: str):
     `dst`, the source's pending release). The release frees only the source's staging buffer, so it
     runs off the critical path, as in the executor."""
     t0 = time.perf_counter()
-    handle, shape, record = ray.get(src.expose.remote(ref_id, transport))
-    received, stats = ray.get(dst.receive.remote(handle, shape, record, transport))
+    exposure = ray.get(src.expose.remote(ref_id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
+    answer = ray.get(dst.receive.remote(handle, shape, record, transport))
+    received, stats = answer.record, answer.stats
     wall = time.perf_counter() - t0
     return received, stats, wall, src.release.remote(handle, transport)
 

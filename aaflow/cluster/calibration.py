@@ -23,6 +23,9 @@ from aaflow.common.errors import CostModelError
 from aaflow.common.machine import cpu_kind, cpu_model
 from aaflow.common.progress import Stages
 from aaflow.cluster.replica_calls import call
+from aaflow.runtime.calls import ExposeCall, FreeCall, MaterializeCall, ReleaseCall
+from aaflow.runtime.probe_calls import (CalibrateDecodeCall, CalibratePackingCall, CalibratePrefillCall, CalibrateReceiveCall,
+                                       InfoCall, MemcpyBandwidthCall, SessionCountCall)
 from aaflow.cluster.replica_microbench import FULL_DECODE, FULL_PREFILL, QUICK_DECODE, QUICK_PREFILL
 from aaflow.cluster.transports import available_transports
 from aaflow.cluster.transports.registry import moves_in_place
@@ -42,7 +45,7 @@ def _call_overhead_s(replica) -> float:
     samples = []
     for _ in range(20):
         t0 = time.perf_counter()
-        call(replica, "session_count")
+        call(replica, SessionCountCall())
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
@@ -52,13 +55,13 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
     the expose call on the source and the receive (fetch + import) on the destination."""
     src, dst = replicas[0], replicas[1]
     links, samples_out = {}, {}
-    info = call(src, "info")
+    info = call(src, InfoCall())
     vocab = info["vocab_size"]
     cap = info["max_tokens"]
     tokens = [n for n in tokens if n <= cap]
     if len(tokens) < 2:  # a small model or pool: sizes relative to what fits
         tokens = [max(1, cap // 8), cap]
-    refs = [call(src, "materialize", [(7 * i + 11) % vocab for i in range(n)]) for n in tokens]
+    refs = [call(src, MaterializeCall([(7 * i + 11) % vocab for i in range(n)])) for n in tokens]
     try:
         for transport in transports:
             in_place = moves_in_place(transport)
@@ -67,12 +70,13 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
                 times = []
                 for _ in range(4):  # the first transfer of a size allocates and registers buffers
                     t0 = time.perf_counter()
-                    handle, shape, rec = call(src, "expose", record.id, transport)
+                    exposure = call(src, ExposeCall(record.id, transport))
                     exposed = time.perf_counter() - t0
                     try:
-                        nbytes, seconds = call(dst, "calibrate_receive", handle, shape, rec, transport)
+                        nbytes, seconds = call(dst, CalibrateReceiveCall(exposure.handle, exposure.shape,
+                                                                         exposure.record, transport))
                     finally:
-                        call(src, "release", handle, transport)
+                        call(src, ReleaseCall(exposure.handle, transport))
                     # the simulator charges a staging source nbytes / memcpy for the gather; the rest is the link's
                     gather = 0.0 if in_place else nbytes / memcpy_bytes_per_s
                     times.append(max(1e-6, exposed + seconds - gather))
@@ -88,7 +92,7 @@ def _measure_links(replicas, transports, tokens, progress, memcpy_bytes_per_s: f
                            + (" (in place: no staging copy)" if in_place else " (after the source's staging copy)"))
     finally:
         for record in refs:
-            call(src, "free", record.id)
+            call(src, FreeCall(record.id))
     return links, samples_out
 
 
@@ -115,14 +119,14 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
 
     for model in sorted(cluster.models):
         replica = cluster.replicas(model)[0]
-        info = call(replica, "info")
+        info = call(replica, InfoCall())
         key = model_key(info)
         full = not quick
         while True:
             stage(f"calibrating {key} on {replica.name}: prefill ...")
-            prefill = call(replica, "calibrate_prefill", FULL_PREFILL if full else QUICK_PREFILL, 3 if full else 1)
+            prefill = call(replica, CalibratePrefillCall(FULL_PREFILL if full else QUICK_PREFILL, 3 if full else 1))
             stage(f"calibrating {key} on {replica.name}: decode ...")
-            decode = call(replica, "calibrate_decode", FULL_DECODE if full else QUICK_DECODE)
+            decode = call(replica, CalibrateDecodeCall(FULL_DECODE if full else QUICK_DECODE))
             fit = compute_profile_from_samples(prefill, decode)
             quality = fit_quality(fit, prefill, decode)
             if full or quality <= QUICK_FIT_MAX_ERROR:
@@ -131,7 +135,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
             stages.add(2)
             full = True
         stage(f"calibrating {key} on {replica.name}: packed prefill ...")
-        compute[key] = with_member_cost(fit, call(replica, "calibrate_packing"))
+        compute[key] = with_member_cost(fit, call(replica, CalibratePackingCall()))
         grid = "full" if full else "quick"
         report.append(f"{key}: {len(prefill)} prefill and {len(decode)} decode points ({grid} grid), "
                       f"median fit error {quality:.1%}")
@@ -142,7 +146,7 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     lent_speedup = lent_core_speedup(cluster.replicas(), progress)
     stage("calibrating: memory bandwidth and call overhead ...")
     replica = cluster.replicas()[0]
-    memcpy = call(replica, "memcpy_bandwidth")
+    memcpy = call(replica, MemcpyBandwidthCall())
     overhead = _call_overhead_s(replica)
     if pairs:
         ready = available_transports()
@@ -170,7 +174,7 @@ def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
     """This machine's profile with an entry for every model of `cluster`: loaded, or calibrated
     now (quick) for the models it lacks and saved to the cache for the next run. `infos` are the
     replicas' `info()` per model, when the caller has them already."""
-    infos = infos or {m: call(cluster.replicas(m)[0], "info") for m in cluster.models}
+    infos = infos or {m: call(cluster.replicas(m)[0], InfoCall()) for m in cluster.models}
     profile = find_profile()
     if covers(profile, infos):
         return profile

@@ -10,6 +10,7 @@ from typing import Callable
 
 from aaflow.runtime.core_lending import lent_threads
 from aaflow.cluster.replica_calls import call, submit
+from aaflow.runtime.probe_calls import CalibratePrefillCall, InfoCall
 
 
 def say(progress: Callable[[str], None] | None, message: str) -> None:
@@ -30,7 +31,7 @@ def concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float
     pair = replicas[:2]
 
     def alone(point):  # one replica at a time: [seconds per replica]
-        return [call(r, "calibrate_prefill", point, 1) for r in pair]
+        return [call(r, CalibratePrefillCall(point, 1)) for r in pair]
 
     for tokens in (2048, 512):  # the longest prefill both pools can hold
         point = ((tokens, 0),)
@@ -43,7 +44,7 @@ def concurrency_slowdown(replicas, progress, attempts: int = 3, max_drift: float
     for attempt in range(attempts):
         if attempt:
             before = alone(point)
-        together = [f.result() for f in [submit(r, "calibrate_prefill", point, 2) for r in pair]]  # at once
+        together = [f.result() for f in [submit(r, CalibratePrefillCall(point, 2)) for r in pair]]  # at once
         after = alone(point)
         seconds = [[replica[0][2] for replica in samples] for samples in (before, together, after)]
         estimate, drift = slowdown_estimate(*seconds)
@@ -72,7 +73,7 @@ def lent_core_speedup(replicas, progress, tokens: int = 1024) -> float:
     if not replicas:
         return 1.0
     first = replicas[0]
-    infos = {r.name: call(r, "info") for r in replicas}
+    infos = {r.name: call(r, InfoCall()) for r in replicas}
     lent = lent_threads(first, replicas, infos, idle={r.name for r in replicas})
     if not lent:
         return 1.0
@@ -80,8 +81,7 @@ def lent_core_speedup(replicas, progress, tokens: int = 1024) -> float:
     point = ((tokens, 0),)
 
     def seconds(threads: int) -> float | None:
-        samples = (call(first, "calibrate_prefill", point, 1) if threads == own
-                   else call(first, "with_threads", threads, "calibrate_prefill", point, 1))
+        samples = call(first, CalibratePrefillCall(point, 1, threads=0 if threads == own else threads))
         return samples[0][2] if samples else None
 
     before, on_lent, after = seconds(own), seconds(own + lent), seconds(own)

@@ -19,6 +19,7 @@ from aaflow.common.errors import AAFlowError
 from aaflow.cluster.actors import replica_actors_made, start_ray
 from aaflow.cluster.observed import observed
 from aaflow.cluster.replica_api import REPLICAS, replica_class
+from aaflow.runtime.probe_calls import InfoCall
 
 _LIVE_CLUSTERS: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 
@@ -122,7 +123,7 @@ class Cluster:
                 ).remote(name, model, dtype=dtypes[kinds[model]], threads=threads, **kwargs)
                 self._replicas.append(ReplicaHandle(name, model, actor, kinds[model], per_replica))
                 index += 1
-        infos = [r.actor.info.remote() for r in self._replicas]
+        infos = [r.actor.run.remote(InfoCall()) for r in self._replicas]
         ready, pending = ray.wait(infos, num_returns=len(infos), timeout=load_timeout_s)
         if pending:
             self.shutdown()

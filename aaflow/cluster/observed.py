@@ -29,6 +29,9 @@ from collections import deque
 
 from ray.util.metrics import Counter, Gauge
 
+from aaflow.runtime.calls import Call
+from aaflow.runtime.replies import Received
+
 REFRESH_S = 0.25
 RESEND_S = 1.0
 _QUIET = frozenset({"usage", "info", "stats", "call_log"})  # read-only calls: not counted as busy time
@@ -63,7 +66,9 @@ def _timed(method):
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         meter = self.meter
-        if meter.in_call:  # a call made by another call (or by `usage`): not timed again
+        # a typed call (`run(call)`) is counted and logged as the method its kind names
+        name = args[0].method if method.__name__ == "run" and args and isinstance(args[0], Call) else method.__name__
+        if meter.in_call or name in _QUIET:  # a call made by another call (or by `usage`), or a read: not timed
             return method(self, *args, **kwargs)
         meter.in_call = True
         start, began, result = time.perf_counter(), time.time(), None
@@ -73,7 +78,7 @@ def _timed(method):
             return result
         finally:
             try:
-                meter.after_call(method.__name__, began, time.perf_counter() - start, result)
+                meter.after_call(name, began, time.perf_counter() - start, result)
             finally:
                 meter.in_call = False
 
@@ -158,7 +163,7 @@ class UsageMeter:
         self.log.append((method, began, seconds, self._computed() - self.computed_before))
         self.busy_s += seconds
         self.calls += 1
-        moved = getattr(result[1], "nbytes", 0) if method == "receive" and isinstance(result, tuple) else 0
+        moved = result.stats.nbytes if isinstance(result, Received) else 0
         self.moved += moved
         if self.metrics is not None:
             self.metrics.add("busy_seconds", seconds)

@@ -15,6 +15,7 @@ import ray
 from aaflow.cluster.planning import machine_prefix_costs
 from aaflow.runtime.backend import Backend, ReplicaInfo, Ticket
 from aaflow.runtime.calls import Call
+from aaflow.runtime.probe_calls import InfoCall
 from aaflow.runtime.service import RunService
 from aaflow.cluster.replica_api import default_transport
 from aaflow.cluster.replica_calls import call_result
@@ -49,11 +50,7 @@ class RayBackend(Backend):
         return time.perf_counter() - self.start
 
     def submit(self, replica: str, call: Call) -> Ticket:
-        actor = self.handles[replica].actor
-        if call.threads:
-            ref = actor.with_threads.remote(call.threads, call.method, *call.arguments())
-        else:
-            ref = getattr(actor, call.method).remote(*call.arguments())
+        ref = self.handles[replica].actor.run.remote(call)
         ticket = Ticket(next(self._seq), replica, call)
         self.refs[ticket] = ref
         return ticket
@@ -75,7 +72,7 @@ class RayBackend(Backend):
             return None
         ping = self.pings.get(replica)
         if ping is None:
-            ping = self.pings[replica] = self.handles[replica].actor.info.remote()
+            ping = self.pings[replica] = self.handles[replica].actor.run.remote(InfoCall())
         ready, _ = ray.wait([ping], timeout=timeout_s)
         if not ready:
             return False

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from aaflow.common.errors import AAFlowError, KVImportError, KVTransferError, ModelMismatchError
-from aaflow.cluster.ref_table import RefRecord
+from aaflow.runtime.replies import RefRecord
 from aaflow.operators import FidelityReport
 
 

@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from aaflow.common.errors import KVRefFreedError
-from aaflow.operators import FidelityReport, KVRef
-
-
-@dataclass(frozen=True)
-class RefRecord:
-    """A KVRef as seen from another process: enough to address it, size it and rebuild it."""
-
-    id: str
-    replica: str
-    fingerprint: str
-    token_ids: tuple[int, ...]
-    nbytes: int
-    fidelity: FidelityReport | None  # None: exact KV
-    computed: int = 0  # tokens the call that made it computed (materialize: prefix-cache hits excluded)
-
-    @property
-    def exact(self) -> bool:
-        return self.fidelity is None
+from aaflow.operators import KVRef
+from aaflow.runtime.replies import RefRecord
 
 
 class RefTable:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from aaflow.common.errors import KVLocationError, KVTransferError, ModelMismatchError
+from aaflow.runtime.calls import ComposeCall, EvictCall, FreeCall, MaterializeCall
 from aaflow.runtime.kv_move import move_now
+from aaflow.runtime.operator_calls import ForkCall, GenerateCall, PinCall, UnpinCall
 from aaflow.cluster.cluster import Cluster, ClusterError, ReplicaHandle
-from aaflow.cluster.replica import RefRecord
+from aaflow.runtime.replies import RefRecord
 from aaflow.cluster.replica_api import default_transport
 from aaflow.cluster.replica_calls import call
 
@@ -60,7 +62,7 @@ def materialize(cluster: Cluster, model: str, text_or_ids: str | Sequence[int], 
     if not candidates:
         raise ModelMismatchError(f"the cluster serves no replica of {model!r} (serves {sorted(cluster.models)})")
     target = replica or candidates[0]
-    return RemoteKVRef(call(target, "materialize", text_or_ids, lineage), target)
+    return RemoteKVRef(call(target, MaterializeCall(text_or_ids, lineage)), target)
 
 
 def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None = None) -> RemoteKVRef:
@@ -73,7 +75,7 @@ def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None 
         return fork(kv, 1)[0]
     transport = transport or default_transport({kv.replica.engine, destination.engine})
     try:
-        received, _ = move_now(call, kv.replica, destination, kv.id, transport)
+        received = move_now(call, kv.replica, destination, kv.id, transport).record
     except ClusterError as err:
         raise KVTransferError(f"transfer of {kv.id} to {destination.name} failed: {err}; "
                               f"{kv.id} is intact on {kv.replica.name}") from err
@@ -81,7 +83,7 @@ def transfer(kv: RemoteKVRef, destination: ReplicaHandle, transport: str | None 
 
 
 def fork(kv: RemoteKVRef, n: int = 2) -> list[RemoteKVRef]:
-    return [RemoteKVRef(r, kv.replica) for r in call(kv.replica, "fork", kv.id, n)]
+    return [RemoteKVRef(r, kv.replica) for r in call(kv.replica, ForkCall(kv.id, n))]
 
 
 def compose(*kvs: RemoteKVRef, mode: str = "exact", r: float = 0.15) -> RemoteKVRef:
@@ -90,24 +92,24 @@ def compose(*kvs: RemoteKVRef, mode: str = "exact", r: float = 0.15) -> RemoteKV
         if kv.replica.name != home.name:
             raise KVLocationError(f"cannot compose {kvs[0].id} on {home.name} with {kv.id} on {kv.replica.name}: "
                                   "transfer one of them first (af.transfer(kv, replica))")
-    return RemoteKVRef(call(home, "compose", [k.id for k in kvs], mode, r), home)
+    return RemoteKVRef(call(home, ComposeCall([k.id for k in kvs], mode, r)), home)
 
 
 def evict(kv: RemoteKVRef, spill: bool | None = None) -> None:
-    call(kv.replica, "evict", kv.id, spill)
+    call(kv.replica, EvictCall(kv.id, spill))
 
 
 def free(kv: RemoteKVRef) -> None:
-    call(kv.replica, "free", kv.id)
+    call(kv.replica, FreeCall(kv.id))
 
 
 def pin(kv: RemoteKVRef, ttl_s: float | None = None) -> None:
-    call(kv.replica, "pin", kv.id, ttl_s)
+    call(kv.replica, PinCall(kv.id, ttl_s))
 
 
 def unpin(kv: RemoteKVRef) -> None:
-    call(kv.replica, "unpin", kv.id)
+    call(kv.replica, UnpinCall(kv.id))
 
 
 def generate(kv: RemoteKVRef, text_or_ids, max_new_tokens: int = 32, **sampling):
-    return call(kv.replica, "generate", kv.id, text_or_ids, max_new_tokens, **sampling)
+    return call(kv.replica, GenerateCall(kv.id, text_or_ids, max_new_tokens, sampling=sampling))

@@ -13,7 +13,8 @@ import torch
 from aaflow.cluster.continuation import generate
 from aaflow.engine import Engine
 from aaflow.cluster.replica_microbench import Calibration
-from aaflow.cluster.ref_table import RefRecord, RefTable
+from aaflow.cluster.ref_table import RefTable
+from aaflow.runtime.replies import Exposure, Received, RefRecord
 from aaflow.cluster.replica_base import ReplicaBase
 from aaflow.cluster.sessions import SequenceSessions
 from aaflow.cluster.transfer_endpoint import TransferEndpoint
@@ -90,13 +91,13 @@ class ModelReplica(ReplicaBase):
         return self.engine.export_kv(self.host.sequence(self.refs.get(ref_id))).kv
 
     # --- transfer (`aaflow.cluster.transfer_endpoint`) ------------------------------------------------
-    def expose(self, ref_id: str, transport: str) -> tuple:
+    def expose(self, ref_id: str, transport: str) -> Exposure:
         return self.endpoint.expose(ref_id, transport)
 
     def release(self, handle, transport: str) -> None:
         self.endpoint.release(handle, transport)
 
-    def receive(self, handle, shape, record, transport: str, timeout_s: float = 30.0) -> tuple:
+    def receive(self, handle, shape, record, transport: str, timeout_s: float = 30.0) -> Received:
         return self.endpoint.receive(handle, shape, record, transport, timeout_s)
 
     # --- lent cores ----------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from typing import Sequence
 from aaflow.cluster.step_group_runner import StepStop, run_steps
 from aaflow.cluster.transports.registry import best_transport
 from aaflow.costmodel.microbench import memcpy_bandwidth
+from aaflow.runtime.replies import Exposure, MixedReply, PrefillReply, Received, StepsReply
 
-REPLICAS = {"builtin": "cluster.replica:ModelReplica", "vllm": "cluster.vllm_replica:VLLMReplica"}
+REPLICAS = {"builtin": "aaflow.cluster.replica:ModelReplica", "vllm": "aaflow.cluster.vllm_replica:VLLMReplica"}
 """Engine name -> the class hosting it, imported on first use (an uninstalled vLLM costs nothing)."""
 
 
@@ -87,6 +88,14 @@ class Replica(ABC):
         """Drop a ref (freeing a freed ref raises KVRefFreedError)."""
 
     @abstractmethod
+    def pin(self, ref_id: str, ttl_s: float | None = None) -> None:
+        """Keep a ref's KV from eviction (for `ttl_s` seconds, or until `unpin`)."""
+
+    @abstractmethod
+    def unpin(self, ref_id: str) -> None:
+        """Let a pinned ref's KV be evicted again."""
+
+    @abstractmethod
     def evict(self, ref_id: str, spill: bool | None = None) -> None:
         """Drop a ref's KV (to disk with `spill`); its next use rebuilds it."""
 
@@ -100,16 +109,16 @@ class Replica(ABC):
 
     # --- transfer ------------------------------------------------------------------------------
     @abstractmethod
-    def expose(self, ref_id: str, transport: str) -> tuple:
-        """Make a ref's KV readable by a peer: (handle, shape, record); `release` ends it."""
+    def expose(self, ref_id: str, transport: str) -> Exposure:
+        """Make a ref's KV readable by a peer; `release` ends it."""
 
     @abstractmethod
     def release(self, handle, transport: str) -> None:
         """End an exposure."""
 
     @abstractmethod
-    def receive(self, handle, shape, record, transport: str, timeout_s: float = 30.0) -> tuple:
-        """Fetch a peer's exposed KV as a new ref here: (record, TransferStats)."""
+    def receive(self, handle, shape, record, transport: str, timeout_s: float = 30.0) -> Received:
+        """Fetch a peer's exposed KV (what its `expose` answered) as a new ref here."""
 
     # --- sessions (driven by the scheduler, one short call at a time) ---------------------------
     @abstractmethod
@@ -118,25 +127,25 @@ class Replica(ABC):
 
     @abstractmethod
     def session_prefill(self, sid: str, token_ids: list[int], sampling=None, reuse_prefix: bool = True,
-                        chunk_size: int | None = None) -> dict:
-        """Append prompt tokens: {"computed", "reused", "seconds"}, and "token" (the first generated)
+                        chunk_size: int | None = None) -> PrefillReply:
+        """Append prompt tokens: tokens computed and reused, seconds, and the first generated token
         when `sampling` says this completes the prompt."""
 
     @abstractmethod
-    def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
+    def session_prefill_many(self, requests: list[tuple]) -> list[PrefillReply]:
         """`session_prefill` for each (sid, token_ids, sampling, reuse_prefix), in one call."""
 
     @abstractmethod
     def session_step(self, sids: list[str]) -> list[int]:
         """One new token per decoding session."""
 
-    def session_steps(self, sids: list[str], steps: int, stops: list) -> tuple[list[list[int]], list[float]]:
+    def session_steps(self, sids: list[str], steps: int, stops: list) -> StepsReply:
         """Up to `steps` decode steps in one call (`aaflow.cluster.step_group_runner.run_steps`; `stops`: a
         `StepStop` per session): each session's new tokens and each step's end in seconds."""
         return run_steps(self.session_step, sids, steps, [StepStop(*s) for s in stops])
 
     @abstractmethod
-    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
+    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> MixedReply:
         """`session_step(sids)` and `session_prefill_many(requests)` in one call."""
 
     @abstractmethod

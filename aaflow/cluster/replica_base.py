@@ -16,6 +16,8 @@ import ray
 from aaflow.cluster.replica_microbench import QUICK_DECODE, QUICK_PREFILL
 from aaflow.cluster.faults import FaultInjection
 from aaflow.cluster.replica_api import Replica
+from aaflow.runtime.calls import Call
+from aaflow.runtime.replies import MixedReply, PrefillReply
 
 
 def _node_id() -> str | None:
@@ -32,6 +34,21 @@ class ReplicaBase(Replica):
     def __init__(self, name: str, model: str) -> None:
         self.name, self.model = name, model
         self.faults = FaultInjection()
+
+    # --- the one entry point ----------------------------------------------------------------
+    def run(self, call: Call):
+        """Run one typed call (`aaflow.runtime.calls`): the method its kind names, on its fields,
+        on `call.threads` lent threads where it asks for them (built-in prefills). What travels to
+        a replica actor is the call itself; its answer is the call's `Reply`."""
+        if not isinstance(call, Call):
+            raise TypeError(f"a replica runs a Call (aaflow.runtime.calls), not {type(call).__name__}")
+        if call.threads:
+            return self.with_threads(call.threads, call.method, *call.arguments(), **call.keywords())
+        return getattr(self, call.method)(*call.arguments(), **call.keywords())
+
+    def with_threads(self, threads: int, method: str, *args, **kwargs):
+        """Run a call on lent threads: only a built-in replica lends (`ModelReplica.with_threads`)."""
+        raise ValueError(f"replica {self.name} ({self.engine_name}) runs no call on lent threads")
 
     # --- identity ---------------------------------------------------------------------------
     def info(self) -> dict:
@@ -63,16 +80,16 @@ class ReplicaBase(Replica):
         return self.sessions.session_open(sid, fork_of)
 
     def session_prefill(self, sid: str, token_ids: list[int], sampling=None, reuse_prefix: bool = True,
-                        chunk_size: int | None = None) -> dict:
+                        chunk_size: int | None = None) -> PrefillReply:
         return self.sessions.session_prefill(sid, token_ids, sampling, reuse_prefix, chunk_size)
 
-    def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
+    def session_prefill_many(self, requests: list[tuple]) -> list[PrefillReply]:
         return self.sessions.session_prefill_many(requests)
 
     def session_step(self, sids: list[str]) -> list[int]:
         return self.sessions.session_step(sids)
 
-    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
+    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> MixedReply:
         return self.sessions.session_step_mixed(sids, requests)
 
     def session_close(self, sid: str) -> None:

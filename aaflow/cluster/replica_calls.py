@@ -8,6 +8,7 @@ import ray
 
 from aaflow.common.errors import AAFlowError
 from aaflow.runtime.backend import ReplicaLostError
+from aaflow.runtime.calls import Call
 from aaflow.cluster.cluster import ClusterError
 
 
@@ -42,15 +43,15 @@ class ReplicaFuture:
             raise ClusterError(f"{err}; materialize the context again on a live replica") from err
 
 
-def submit(replica, method: str, *args, **kwargs) -> ReplicaFuture:
-    """Start `method` on a replica (a `ReplicaHandle`) without waiting. Raises `ClusterError` when
-    Ray is not running (the cluster was shut down)."""
+def submit(replica, call: Call) -> ReplicaFuture:
+    """Start a typed call (`aaflow.runtime.calls`) on a replica (a `ReplicaHandle`) without waiting.
+    Raises `ClusterError` when Ray is not running (the cluster was shut down)."""
     if not ray.is_initialized():
         raise ClusterError(f"replica {replica.name} is gone: Ray is not running (was the cluster shut down?); "
                            "start one with af.init and materialize the context again")
-    return ReplicaFuture(replica, getattr(replica.actor, method).remote(*args, **kwargs))
+    return ReplicaFuture(replica, replica.actor.run.remote(call))
 
 
-def call(replica, method: str, *args, **kwargs):
-    """`submit(...).result()`: call `method` on a replica and wait for its value."""
-    return submit(replica, method, *args, **kwargs).result()
+def call(replica, typed_call: Call):
+    """`submit(...).result()`: run a typed call on a replica and wait for its answer (its `Reply`)."""
+    return submit(replica, typed_call).result()

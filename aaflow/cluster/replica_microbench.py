@@ -111,7 +111,7 @@ class Calibration:
     def calibrate_receive(self, handle, shape, record, transport: str) -> tuple[int, float]:
         """Time a whole `receive` (fetch + import into the pool) and drop what arrived: (bytes, seconds)."""
         t0 = time.perf_counter()
-        received, stats = self.replica.receive(handle, shape, record, transport)
+        received = self.replica.receive(handle, shape, record, transport)
         seconds = time.perf_counter() - t0
-        self.replica.free(received.id)
-        return stats.nbytes, seconds
+        self.replica.free(received.record.id)
+        return received.stats.nbytes, seconds

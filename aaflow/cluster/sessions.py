@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from aaflow.engine.sampling import Sampler, SamplingParams
 from aaflow.common.errors import KVCapacityError
 from aaflow.runtime.backend import SessionLostError
+from aaflow.runtime.replies import MixedReply, PrefillReply
 from aaflow.cluster.kv_queue import KVQueue
 
 
@@ -61,9 +62,9 @@ class SequenceSessions:
         return len(self.engine.sequence_tokens(seq))
 
     def session_prefill(self, sid: str, token_ids: list[int], sampling: SamplingParams | None = None,
-                        reuse_prefix: bool = True, chunk_size: int | None = None) -> dict:
+                        reuse_prefix: bool = True, chunk_size: int | None = None) -> PrefillReply:
         """Append prompt tokens (incremental prefill). With `sampling`, this was the prompt's last
-        segment: the first generated token is sampled and returned as "token"."""
+        segment: the first generated token is sampled and answered as `token`."""
         self.faults.reached("prefill")
         s = self.table[sid]
         t0 = time.perf_counter()
@@ -71,10 +72,9 @@ class SequenceSessions:
         logits = self._admitted([sid], [token_ids],
                                 lambda: self.engine.prefill(s.seq_id, token_ids, chunk_size, reuse_prefix=reuse_prefix))
         computed = self.engine.stats().tokens_computed - before
-        out = {"computed": computed, "reused": len(token_ids) - computed, "seconds": time.perf_counter() - t0}
-        return self._maybe_first_token(s, sampling, logits, out)
+        return self._reply(s, sampling, logits, computed, len(token_ids) - computed, time.perf_counter() - t0)
 
-    def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
+    def session_prefill_many(self, requests: list[tuple]) -> list[PrefillReply]:
         """Prefill several sessions' prompt segments together (`KVRunner.prefill_packed`). Each request
         is (sid, token_ids, sampling, reuse_prefix), answered as `session_prefill` would answer it."""
         self.faults.reached("prefill")
@@ -86,18 +86,21 @@ class SequenceSessions:
                                                [bool(r[3]) for r in requests]))  # [n, vocab]
         return self._prefill_answers(sessions, requests, reused, logits, time.perf_counter() - t0)
 
-    def _prefill_answers(self, sessions, requests, reused, logits, seconds: float) -> list[dict]:
+    def _prefill_answers(self, sessions, requests, reused, logits, seconds: float) -> list[PrefillReply]:
         """Each request's answer, as `session_prefill` gives it; logits: [len(requests), vocab]."""
-        return [self._maybe_first_token(s, r[2], row, {"computed": len(r[1]) - n, "reused": n, "seconds": seconds})
+        return [self._reply(s, r[2], row, len(r[1]) - n, n, seconds)
                 for s, r, n, row in zip(sessions, requests, reused, logits)]
 
     @staticmethod
-    def _maybe_first_token(s: _Session, sampling: SamplingParams | None, logits, out: dict) -> dict:
-        if sampling is not None:  # logits: [vocab] of the prompt's last token
-            s.sampler = Sampler(sampling)
-            out["token"] = s.sampler(logits[None])[0]
-            s.generated.append(out["token"])
-        return out
+    def _reply(s: _Session, sampling: SamplingParams | None, logits, computed: int, reused: int,
+               seconds: float) -> PrefillReply:
+        """The segment's reply; with `sampling` it completed the prompt: the first token is sampled
+        from `logits` ([vocab] of the prompt's last token)."""
+        if sampling is None:
+            return PrefillReply(computed, reused, seconds)
+        s.sampler = Sampler(sampling)
+        s.generated.append(s.sampler(logits[None])[0])
+        return PrefillReply(computed, reused, seconds, s.generated[-1])
 
     def session_step(self, sids: list[str]) -> list[int]:
         """One batched decode step for these sessions: feed each its last token, sample the next."""
@@ -117,7 +120,7 @@ class SequenceSessions:
             s.generated.append(tokens[-1])
         return tokens
 
-    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
+    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> MixedReply:
         """`session_step(sids)` and `session_prefill_many(requests)` in one forward pass, so the
         weights are read once for both (each decoding session's last token is a 1-token chunk)."""
         self.faults.maybe_fail("step")
@@ -130,8 +133,8 @@ class SequenceSessions:
             lambda: self.engine.prefill_packed([s.seq_id for s in decoding + sessions], token_lists,
                                                [False] * len(decoding) + [bool(r[3]) for r in requests]))
         seconds, n = time.perf_counter() - t0, len(decoding)  # logits: [n + len(requests), vocab]
-        return (self._sample_next(decoding, logits[:n]),
-                self._prefill_answers(sessions, requests, reused[n:], logits[n:], seconds))
+        return MixedReply(self._sample_next(decoding, logits[:n]),
+                          self._prefill_answers(sessions, requests, reused[n:], logits[n:], seconds))
 
     def session_close(self, sid: str) -> None:
         """End a session and free its blocks; closing an unknown or closed session does nothing."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple, Sequence
 
+from aaflow.runtime.replies import StepsReply
+
 
 class StepStop(NamedTuple):
     """When a session stops decoding: after `budget` more tokens, or at a token of `eos` (empty:
@@ -23,7 +25,7 @@ class StepStop(NamedTuple):
 
 
 def run_steps(step: Callable[[list[str]], list[int]], sids: Sequence[str], steps: int,
-              stops: Sequence[StepStop]) -> tuple[list[list[int]], list[float]]:
+              stops: Sequence[StepStop]) -> StepsReply:
     """Up to `steps` batched decode steps of `sids` through `step` (one token per session per
     call). Returns each session's new tokens, in `sids` order, and the seconds from the call's
     start to each step's end. It ends early after a step in which a session stopped. A step that
@@ -42,7 +44,7 @@ def run_steps(step: Callable[[list[str]], list[int]], sids: Sequence[str], steps
             new = step(list(sids))
         except Exception as exc:
             if ends:
-                exc.partial_steps = (tokens, ends)
+                exc.partial_steps = StepsReply(tokens, ends)
             raise
         ends.append(time.perf_counter() - start)
         stopped = False
@@ -51,4 +53,4 @@ def run_steps(step: Callable[[list[str]], list[int]], sids: Sequence[str], steps
             stopped |= len(out) >= stop.budget or token in stop.eos
         if stopped:
             break
-    return tokens, ends
+    return StepsReply(tokens, ends)

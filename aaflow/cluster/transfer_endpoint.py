@@ -23,6 +23,7 @@ from aaflow.cluster.receive_checks import KVShape, ReceiverGeometry, as_transfer
 from aaflow.cluster.transports import get_transport
 from aaflow.cluster.transports.base import TransferStillRunningError
 from aaflow.operators import KVPayload, Lineage
+from aaflow.runtime.replies import Exposure, Received
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class TransferEndpoint:
         return transport
 
     # --- source side ----------------------------------------------------------------------
-    def expose(self, ref_id: str, transport: str) -> tuple[object, KVShape, object]:
-        """Make the ref's KV readable by a peer; returns (handle, shape to check, record).
+    def expose(self, ref_id: str, transport: str) -> Exposure:
+        """Make the ref's KV readable by a peer: its handle, the shape a receiver checks, its record.
 
         In place where the transport allows (the exposed blocks are held by a fork until
         `release`, so the ref may be freed or extended meanwhile); otherwise gathered once into a
@@ -73,7 +74,7 @@ class TransferEndpoint:
         handle, kv_shape, record = self._expose(ref_id, transport)
         if self.faults.stale_exposure():  # fault injection: the peer will meet a released exposure
             self.release(handle, transport)
-        return handle, kv_shape, record
+        return Exposure(handle, kv_shape, record)
 
     def _expose(self, ref_id: str, transport: str) -> tuple[object, KVShape, object]:
         ref = self.refs.get(ref_id)
@@ -124,8 +125,8 @@ class TransferEndpoint:
             self._send_free[transport].append(buf)
 
     # --- destination side -----------------------------------------------------------------
-    def receive(self, handle, shape: KVShape, record, transport: str, timeout_s: float = 30.0):
-        """Pull a peer's exposed KV and import it as a new ref here; returns (record, TransferStats).
+    def receive(self, handle, shape: KVShape, record, transport: str, timeout_s: float = 30.0) -> Received:
+        """Pull a peer's exposed KV and import it as a new ref here (its record and `TransferStats`).
 
         The fingerprint, shape and dtype are checked before any byte is received; a failed fetch
         raises `KVTransferError` and leaves this pool exactly as it was.
@@ -140,7 +141,7 @@ class TransferEndpoint:
         seq, stats = as_transfer_error(transport, self.name,
                                         lambda: fetch(handle, shape, record, transport, timeout_s))
         lineage = Lineage("transfer", (record.id,), (("from", record.replica), ("transport", transport)))
-        return self.refs.add(self.host.register(seq, lineage, record.fidelity)), stats
+        return Received(self.refs.add(self.host.register(seq, lineage, record.fidelity)), stats)
 
     def _fetch_in_place(self, handle, shape: KVShape, record, transport: str, timeout_s: float):
         """Reserve blocks, let the transport write them, seal them: (sequence, stats)."""

@@ -22,7 +22,7 @@ from aaflow.engines_vllm import VLLMEngine
 from aaflow.engines_vllm.errors import VLLMUnsupportedError
 from aaflow.common.errors import KVComposeError
 from aaflow.cluster.payload_refs import PayloadRefs
-from aaflow.cluster.ref_table import RefRecord
+from aaflow.runtime.replies import Exposure, Received, RefRecord
 from aaflow.cluster.replica_base import ReplicaBase
 from aaflow.cluster.receive_checks import KVShape, ReceiverGeometry, as_transfer_error, check_incoming
 from aaflow.cluster.transports import get_transport
@@ -154,18 +154,18 @@ class VLLMReplica(ReplicaBase):
             self._transports[name] = get_transport(name)
         return self._transports[name]
 
-    def expose(self, ref_id: str, transport: str) -> tuple[object, KVShape, RefRecord]:
-        """Make the ref's payload readable by a peer; returns (handle, shape to check, record)."""
+    def expose(self, ref_id: str, transport: str) -> Exposure:
+        """Make the ref's payload readable by a peer: its handle, the shape to check, its record."""
         payload = self._ref(ref_id)
         handle = self._transport(transport).expose(payload.kv.contiguous())
         shape = KVShape(payload.fingerprint, tuple(payload.kv.shape), str(payload.kv.dtype).removeprefix("torch."))
-        return handle, shape, self._record_of(ref_id)
+        return Exposure(handle, shape, self._record_of(ref_id))
 
     def release(self, handle, transport: str) -> None:
         self._transport(transport).release(handle)
 
-    def receive(self, handle, shape: KVShape, record: RefRecord, transport: str, timeout_s: float = 30.0):
-        """Pull a peer's exposed KV and keep it as a payload ref; returns (record, TransferStats).
+    def receive(self, handle, shape: KVShape, record: RefRecord, transport: str, timeout_s: float = 30.0) -> Received:
+        """Pull a peer's exposed KV and keep it as a payload ref (its record and `TransferStats`).
         It enters vLLM's cache when a session continuing it starts. Approximate KV is refused."""
         self.faults.maybe_fail("receive")
         c = self.engine.config
@@ -178,7 +178,7 @@ class VLLMReplica(ReplicaBase):
         kv = torch.empty(expected, dtype=self.engine.dtype)
         stats = as_transfer_error(transport, self.name,
                                   lambda: self._transport(transport).fetch(handle, kv, timeout_s=timeout_s))
-        return self._record(KVExport(shape.fingerprint, tuple(record.token_ids), kv), record.fidelity), stats
+        return Received(self._record(KVExport(shape.fingerprint, tuple(record.token_ids), kv), record.fidelity), stats)
 
     def _close_engine(self) -> None:
         """Close the transports and stop vLLM."""

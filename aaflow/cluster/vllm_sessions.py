@@ -20,6 +20,7 @@ from aaflow.engine.sampling import SamplingParams
 from aaflow.engine.sequence import KVExport
 from aaflow.engines_vllm.errors import VLLMUnsupportedError
 from aaflow.cluster.sessions import SessionTable
+from aaflow.runtime.replies import MixedReply, PrefillReply
 
 
 @dataclass
@@ -55,9 +56,9 @@ class VLLMSessions:
         return s.kv_file
 
     def session_prefill(self, sid: str, token_ids: list[int], sampling: SamplingParams | None = None,
-                        reuse_prefix: bool = True, chunk_size: int | None = None) -> dict:
+                        reuse_prefix: bool = True, chunk_size: int | None = None) -> PrefillReply:
         """Append prompt tokens; with `sampling` (the last segment) start generating and return the
-        first token as "token". Without prefix reuse, partial segments are only recorded (the final
+        first token as `token`. Without prefix reuse, partial segments are only recorded (the final
         request computes the whole prompt, reading nothing from vLLM's prefix cache)."""
         s = self.table[sid]
         if s.decoding:
@@ -65,7 +66,7 @@ class VLLMSessions:
         t0 = time.perf_counter()
         s.tokens.extend(int(t) for t in token_ids)
         if sampling is None and not reuse_prefix:
-            return {"computed": 0, "reused": 0, "seconds": time.perf_counter() - t0}
+            return PrefillReply(0, 0, time.perf_counter() - t0)
         kv_file = self._kv_file(s)
         use_cache = reuse_prefix or s.kv is not None
         if sampling is None:  # prefill-only request: its full blocks stay in vLLM's prefix cache
@@ -80,14 +81,13 @@ class VLLMSessions:
             s.decoding = True
             first = self.engine.next_tokens([s.rid])[0]
         computed = len(s.tokens) - int(first["num_cached_tokens"])
-        out = {"computed": computed, "reused": max(0, len(token_ids) - computed), "seconds": time.perf_counter() - t0}
+        reused = max(0, len(token_ids) - computed)
         self.computed += computed
-        self.reused += out["reused"]
-        if sampling is not None:
-            out["token"] = int(first["token"])
-        return out
+        self.reused += reused
+        return PrefillReply(computed, reused, time.perf_counter() - t0,
+                            int(first["token"]) if sampling is not None else None)
 
-    def session_prefill_many(self, requests: list[tuple]) -> list[dict]:
+    def session_prefill_many(self, requests: list[tuple]) -> list[PrefillReply]:
         """`session_prefill` for each (sid, token_ids, sampling, reuse_prefix), one after another."""
         return [self.session_prefill(sid, ids, sampling, reuse) for sid, ids, sampling, reuse in requests]
 
@@ -99,9 +99,9 @@ class VLLMSessions:
             raise VLLMUnsupportedError(f"sessions {sids} on {self.name}: step before the final prefill")
         return [int(o["token"]) for o in self.engine.next_tokens([s.rid for s in sessions])]
 
-    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> tuple[list[int], list[dict]]:
+    def session_step_mixed(self, sids: list[str], requests: list[tuple]) -> MixedReply:
         """`session_step`, then `session_prefill_many` (vLLM schedules its own batches)."""
-        return self.session_step(sids), self.session_prefill_many(requests)
+        return MixedReply(self.session_step(sids), self.session_prefill_many(requests))
 
     def session_close(self, sid: str) -> None:
         """End a session: its vLLM request is aborted (blocks go back, full ones stay cached)."""

@@ -25,6 +25,7 @@ from aaflow.runtime.backend import ReplicaLostError, Ticket
 from aaflow.runtime.calls import Call, CallKind, MixedCall, PrefillCall, StepCall, StepsCall
 from aaflow.runtime.core_lending import LEND_MIN_TOKENS, lent_threads
 from aaflow.runtime.packing import Queued, pack_prefills
+from aaflow.runtime.replies import MixedReply
 from aaflow.runtime.scheduler_state import SchedulerState
 from aaflow.runtime.step_groups import steps_per_call, stops
 
@@ -110,7 +111,7 @@ class CallQueues:
             self._start(name, StepCall(sids), lambda tokens: self._stepped(decoding, sids, [[t] for t in tokens], [0.0]))
         else:
             call = StepsCall(sids, steps, stops(decoding, self.state.eos))
-            self._start(name, call, lambda out: self._stepped(decoding, sids, *out))
+            self._start(name, call, lambda out: self._stepped(decoding, sids, out.tokens, out.ends_s))
 
     def _stepped(self, decoding: list[AgentState], sids: list[str], tokens: list[list[int]], ends: list[float]) -> None:
         """Steps of sessions `sids` ended: their tokens go on, but those of agents that started over
@@ -171,9 +172,9 @@ class CallQueues:
                 if name not in self.running and name not in self.state.dead and not self.queues[name]
                 and all(a.state == AgentPhase.DONE or id(a) in waiting for a in self.state.placed[name])}
 
-    def _on_mixed(self, decoding: list, sids: list[str], answer_prefills, out: tuple[list[int], list[dict]]) -> None:
-        self._stepped(decoding, sids, [[t] for t in out[0]], [0.0])
-        answer_prefills(out[1])
+    def _on_mixed(self, decoding: list, sids: list[str], answer_prefills, out: MixedReply) -> None:
+        self._stepped(decoding, sids, [[t] for t in out.tokens], [0.0])
+        answer_prefills(out.prefills)
 
     def _pack(self, name: str, always: bool = False) -> Queued:
         """The queue's first call (a prompt segment) with the others that pack with it; with

@@ -1,9 +1,12 @@
-"""The calls the scheduler sends to a replica: one frozen dataclass per kind.
+"""The calls a replica takes: one frozen dataclass per kind; what each answers is its `Reply`
+(`aaflow.runtime.replies`).
 
-A call names a `ModelReplica` method (`kind.value`) and holds its arguments as named fields, in the
-method's order; `arguments()` is the one place that turns them into the method's positional
-arguments. A backend runs it (the Ray backend on a built-in or vLLM replica actor, the simulated
-clock by predicting its duration). Prompt segments of several sessions travel as `PrefillRequest`s.
+A call names a `Replica` method (`kind.value`) and holds its arguments as named fields, in the
+method's order; `arguments()` (and `keywords()`) is the one place that turns them into the method's
+arguments. The call itself is what travels: a replica runs it with `Replica.run(call)` (the Ray
+backend, `af.*` and calibration alike), the simulated clock predicts its duration. This module
+holds the scheduler's calls; `af.*`'s and calibration's own are in `aaflow.runtime.operator_calls`
+and `aaflow.runtime.probe_calls`. Prompt segments of several sessions travel as `PrefillRequest`s.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, ClassVar, NamedTuple, Self, Sequence
+
+from aaflow.runtime.replies import Exposure, MixedReply, PrefillReply, Received, RefRecord, StepsReply
 
 
 class CallKind(Enum):
@@ -30,6 +35,19 @@ class CallKind(Enum):
     CLOSE = "session_close"  # CloseCall
     FREE = "free"  # FreeCall
     EVICT = "evict"  # EvictCall
+    FORK = "fork"  # ForkCall (aaflow.runtime.operator_calls)
+    GENERATE = "generate"  # GenerateCall
+    PIN = "pin"  # PinCall
+    UNPIN = "unpin"  # UnpinCall
+    INFO = "info"  # InfoCall (aaflow.runtime.probe_calls)
+    STATS = "stats"  # StatsCall
+    SESSION_COUNT = "session_count"  # SessionCountCall
+    MEMCPY = "memcpy_bandwidth"  # MemcpyBandwidthCall
+    CLEAR_PREFIX_CACHE = "clear_prefix_cache"  # ClearPrefixCacheCall
+    CALIBRATE_PREFILL = "calibrate_prefill"  # CalibratePrefillCall
+    CALIBRATE_DECODE = "calibrate_decode"  # CalibrateDecodeCall
+    CALIBRATE_PACKING = "calibrate_packing"  # CalibratePackingCall
+    CALIBRATE_RECEIVE = "calibrate_receive"  # CalibrateReceiveCall
 
     def __init__(self, method: str) -> None:
         # Plain attributes, not properties: the scheduler asks them of every call.
@@ -60,10 +78,11 @@ class Call:
     """One replica call; build one of its subclasses. Their positional fields are the replica
     method's arguments, in its order. `threads` > 0: run it on that many threads (idle replicas
     lend theirs). Each kind has `requests`, the prompt segments it carries: a field of PACK and
-    MIXED, a property of PREFILL, () for the others (`_NoPrompt`). It is not declared here: a field
+    MIXED, a property of PREFILL, () for the others (`NoPromptCall`). It is not declared here: a field
     declared here keeps its place before the subclass's fields, and a default would be inherited."""
 
     kind: ClassVar[CallKind]
+    Reply: ClassVar[Any]  # the type of what the replica answers
     threads: int = field(default=0, kw_only=True)
 
     @property
@@ -74,6 +93,10 @@ class Call:
     def arguments(self) -> tuple[Any, ...]:
         """The replica method's positional arguments: the positional fields (`threads` is not one)."""
         return tuple(getattr(self, name) for name in self.__match_args__)
+
+    def keywords(self) -> dict[str, Any]:
+        """The replica method's keyword arguments (none but where a call says so)."""
+        return {}
 
     @property
     def sessions(self) -> list[str]:
@@ -91,14 +114,14 @@ class Call:
 
 
 @dataclass(frozen=True)
-class _NoPrompt(Call):
+class NoPromptCall(Call):
     """A call that carries no prompt segment."""
 
     requests: ClassVar[Sequence[PrefillRequest]] = ()
 
 
 @dataclass(frozen=True)
-class _OneSession(_NoPrompt):
+class _OneSession(NoPromptCall):
     """A call on session `sid`."""
 
     sid: str
@@ -124,15 +147,19 @@ class OpenCall(_OneSession):
     """Open session `sid`, empty or continuing the ref `fork_of`."""
 
     kind = CallKind.OPEN
+    Reply = int  # the session's length in tokens
     fork_of: str | None = None
 
 
 @dataclass(frozen=True)
-class MaterializeCall(_NoPrompt):
-    """Prefill `token_ids` as a new KVRef (a shared prefix, or a part of a composed one)."""
+class MaterializeCall(NoPromptCall):
+    """Prefill `token_ids` (or a text, from `af.materialize`) as a new KVRef (a shared prefix, or a
+    part of a composed one); `lineage`: record how to rebuild it."""
 
     kind = CallKind.MATERIALIZE
-    token_ids: list[int]
+    Reply = RefRecord
+    token_ids: list[int] | str
+    lineage: bool = True
 
     @property
     def tokens(self) -> int:
@@ -140,10 +167,11 @@ class MaterializeCall(_NoPrompt):
 
 
 @dataclass(frozen=True)
-class ComposeCall(_NoPrompt):
+class ComposeCall(NoPromptCall):
     """One new KVRef for the contexts of refs `ref_ids` in order (`mode`, `r`: `KVRunner.compose`)."""
 
     kind = CallKind.COMPOSE
+    Reply = RefRecord
     ref_ids: list[str]
     mode: str
     r: float
@@ -154,6 +182,7 @@ class PrefillCall(Call):
     """Append one prompt segment to session `sid` (the fields of a `PrefillRequest`)."""
 
     kind = CallKind.PREFILL
+    Reply = PrefillReply
     sid: str
     token_ids: list[int]
     sampling: object = None
@@ -169,21 +198,24 @@ class PackCall(Call):
     """Several sessions' prompt segments in one forward pass."""
 
     kind = CallKind.PACK
+    Reply = list[PrefillReply]
     requests: list[PrefillRequest]
 
 
 @dataclass(frozen=True)
-class StepCall(_Decode, _NoPrompt):
+class StepCall(_Decode, NoPromptCall):
     """One batched decode step of sessions `sids`."""
 
     kind = CallKind.STEP
+    Reply = list[int]  # each session's new token
 
 
 @dataclass(frozen=True)
-class StepsCall(_Decode, _NoPrompt):
+class StepsCall(_Decode, NoPromptCall):
     """Up to `steps` decode steps of `sids` in one call; `stops`: a `StepStop` tuple per session."""
 
     kind = CallKind.STEPS
+    Reply = StepsReply
     steps: int
     stops: list[tuple]
 
@@ -193,23 +225,26 @@ class MixedCall(_Decode):
     """A decode step of `sids` and the prompt segments `requests` in one forward pass."""
 
     kind = CallKind.MIXED
+    Reply = MixedReply
     requests: list[PrefillRequest]
 
 
 @dataclass(frozen=True)
-class ExposeCall(_NoPrompt):
+class ExposeCall(NoPromptCall):
     """Make ref `ref_id`'s blocks readable by another replica over `transport`."""
 
     kind = CallKind.EXPOSE
+    Reply = Exposure
     ref_id: str
     transport: str
 
 
 @dataclass(frozen=True)
-class ReceiveCall(_NoPrompt):
+class ReceiveCall(NoPromptCall):
     """Fetch the blocks another replica exposed (what its `ExposeCall` answered) as a new ref."""
 
     kind = CallKind.RECEIVE
+    Reply = Received
     handle: Any
     shape: Any
     record: Any
@@ -217,10 +252,11 @@ class ReceiveCall(_NoPrompt):
 
 
 @dataclass(frozen=True)
-class ReleaseCall(_NoPrompt):
+class ReleaseCall(NoPromptCall):
     """End the exposure `handle` (over `transport`)."""
 
     kind = CallKind.RELEASE
+    Reply = None
     handle: Any
     transport: str
 
@@ -230,20 +266,24 @@ class CloseCall(_OneSession):
     """Close session `sid` and free its KV."""
 
     kind = CallKind.CLOSE
+    Reply = None
 
 
 @dataclass(frozen=True)
-class FreeCall(_NoPrompt):
+class FreeCall(NoPromptCall):
     """Free ref `ref_id`."""
 
     kind = CallKind.FREE
+    Reply = None
     ref_id: str
 
 
 @dataclass(frozen=True)
-class EvictCall(_NoPrompt):
+class EvictCall(NoPromptCall):
     """Evict ref `ref_id`: its blocks leave the pool, the ref stays; its next use rebuilds it from
     its lineage (`aaflow.operators.evict`)."""
 
     kind = CallKind.EVICT
+    Reply = None
     ref_id: str
+    spill: bool | None = None

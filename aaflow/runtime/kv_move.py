@@ -13,19 +13,17 @@ from typing import Callable
 
 from aaflow.runtime.call_queues import Timed
 from aaflow.runtime.calls import ExposeCall, ReceiveCall, ReleaseCall
+from aaflow.runtime.replies import Exposure, Received
 
 
-def move_now(call: Callable, source, dest, ref_id: str, transport: str):
-    """Move ref `ref_id` from `source` to `dest` with `call(replica, method, *arguments)` (which
-    waits): the destination's answer (record, stats). The exposure is released if the receive raised."""
-    expose = ExposeCall(ref_id, transport)
-    handle, shape, record = call(source, expose.method, *expose.arguments())
+def move_now(call: Callable, source, dest, ref_id: str, transport: str) -> Received:
+    """Move ref `ref_id` from `source` to `dest` with `call(replica, call)` (which waits): the
+    destination's answer. The exposure is released if the receive raised."""
+    exposure = call(source, ExposeCall(ref_id, transport))
     try:
-        receive = ReceiveCall(handle, shape, record, transport)
-        return call(dest, receive.method, *receive.arguments())
+        return call(dest, ReceiveCall(exposure.handle, exposure.shape, exposure.record, transport))
     finally:
-        release = ReleaseCall(handle, transport)
-        call(source, release.method, *release.arguments())
+        call(source, ReleaseCall(exposure.handle, transport))
 
 
 @dataclass
@@ -46,19 +44,18 @@ class MoveInFlight:
 
 
 def start_move(queues, source: str, dest: str, ref_id: str, transport: str,
-               received: Callable[[object], None]) -> MoveInFlight:
+               received: Callable[[Received], None]) -> MoveInFlight:
     """Queue the move of ref `ref_id` from `source` to `dest`; `received(answer)` gets the
-    destination's answer (record, shape) after the source's release is queued. Answers the move,
+    destination's answer after the source's release is queued. Answers the move,
     whose `release_call()` a caller uses when the move fails on the way."""
     move = MoveInFlight(source, dest, transport)
 
-    def exposed(out) -> None:
-        handle, shape, record = out
-        move.handle, move.ran_s = handle, expose.ran_s()
+    def exposed(out: Exposure) -> None:
+        move.handle, move.ran_s = out.handle, expose.ran_s()
         receive = Timed(lambda answer: done(answer, receive), queues.now)
-        queues.call(dest, ReceiveCall(handle, shape, record, transport), then=receive)
+        queues.call(dest, ReceiveCall(out.handle, out.shape, out.record, transport), then=receive)
 
-    def done(answer, receive: Timed) -> None:
+    def done(answer: Received, receive: Timed) -> None:
         move.ran_s += receive.ran_s()
         queues.call(source, ReleaseCall(move.handle, transport))
         move.handle = None  # released

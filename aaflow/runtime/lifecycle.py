@@ -19,6 +19,7 @@ from aaflow.runtime.feeding import consume, feedable
 from aaflow.runtime.placement import Placement
 from aaflow.runtime.prefix_sharing import PrefixSharing
 from aaflow.runtime.recovery import AgentFailedError, Recovery
+from aaflow.runtime.replies import PrefillReply
 from aaflow.runtime.scheduler_state import SchedulerState
 from aaflow.common.strategies import SHARES_PREFIX, STREAMS, TEXT_NOCACHE
 
@@ -148,7 +149,7 @@ class AgentLifecycle:
         call = PrefillCall(agent.sid, ids, agent.sampling if complete else None, agent.strategy != TEXT_NOCACHE)
         self.queues.call(agent.replica, call, then=lambda out, sid=agent.sid: self.prefilled(agent, sid, out))
 
-    def prefilled(self, agent: AgentState, sid: str, out: dict) -> None:
+    def prefilled(self, agent: AgentState, sid: str, out: PrefillReply) -> None:
         """A prompt segment of session `sid` ran (`out`: tokens computed and reused, maybe the first token)."""
         if agent.sid != sid:  # it started over meanwhile: the answer is of a session closed since
             return
@@ -156,14 +157,14 @@ class AgentLifecycle:
         if agent.dropped:  # its run ended while the segment ran: its session is closed after this call
             return
         self.state.fresh_sids.discard(agent.sid)
-        agent.result.prefill_computed += out["computed"]
-        agent.result.prefill_reused += out["reused"]
+        agent.result.prefill_computed += out.computed
+        agent.result.prefill_reused += out.reused
         if agent.fresh:
-            agent.prefix_via = agent.prefix_via or ("reuse" if out["reused"] else "recompute")
-        if "token" in out:
+            agent.prefix_via = agent.prefix_via or ("reuse" if out.reused else "recompute")
+        if out.token is not None:
             agent.state = AgentPhase.DECODING
             insort(self.state.decoding[agent.replica], agent, key=lambda a: a.order)
-            self.token(agent, out["token"])
+            self.token(agent, out.token)
         else:
             self.advance(agent)
 

@@ -12,6 +12,7 @@ from collections import deque
 from typing import Callable
 
 from aaflow.runtime.calls import Call, PackCall, PrefillCall
+from aaflow.runtime.replies import PrefillReply
 
 # Tokens a pack may add to compute beyond its first request's: calls stay short, so decode steps interleave.
 PACK_MAX_TOKENS = 1024
@@ -55,7 +56,7 @@ def pack_prefills(first: Queued, queue: deque, fresh: set[str], always: bool = F
     requests = [call.requests[0] for call, _ in taken]
     thens = [then for _, then in taken]
 
-    def answer_each(outs: list[dict]) -> None:
+    def answer_each(outs: list[PrefillReply]) -> None:
         for then, out in zip(thens, outs):
             then(out)
 

@@ -160,9 +160,9 @@ class PrefixSharing:
             move = self.transferring.pop(key, None)
             if move is not None:
                 predicted = costs.move_s(prefix.model, len(prefix.ids)) if costs is not None else None
-                self.decisions.record(f"move:{move.transport}", len(prefix.ids), answer[1].nbytes, predicted,
+                self.decisions.record(f"move:{move.transport}", len(prefix.ids), answer.stats.nbytes, predicted,
                                       move.ran_s, chosen)
-            self._ready(prefix, dest, answer[0].id, answer[1].nbytes, received=True)
+            self._ready(prefix, dest, answer.record.id, answer.stats.nbytes, received=True)
 
         self.transferring[key] = start_move(self.queues, source, dest, ref_id, self.transport(waiting),
                                             received)

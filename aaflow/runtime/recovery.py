@@ -94,10 +94,10 @@ class Recovery:
                 continue
             call = ticket.call
             if isinstance(call, (MaterializeCall, ComposeCall, ReceiveCall)):
-                record = value[0] if isinstance(call, ReceiveCall) else value  # RECEIVE: (record, stats)
+                record = value.record if isinstance(call, ReceiveCall) else value
                 frees.append((ticket.replica, FreeCall(record.id)))
-            elif isinstance(call, ExposeCall):  # (handle, shape, record)
-                frees.append((ticket.replica, ReleaseCall(value[0], call.transport)))
+            elif isinstance(call, ExposeCall):
+                frees.append((ticket.replica, ReleaseCall(value.handle, call.transport)))
         return frees
 
     def backoff_s(self, agent: AgentState) -> float:

@@ -19,6 +19,7 @@ from aaflow.runtime.calls import (Call, CloseCall, ComposeCall, EvictCall, Expos
                                   MixedCall, OpenCall, PackCall, PrefillCall, ReceiveCall, ReleaseCall, StepCall,
                                   StepsCall)
 from aaflow.runtime.prefix_costs import PrefixCosts
+from aaflow.runtime.replies import MixedReply
 from aaflow.runtime.sim_replica import SimReplica
 from aaflow.common.strategies import DEFAULT_BLOCK_TOKENS
 
@@ -100,7 +101,7 @@ class SimBackend(Backend):
                 # one more member
                 compute = sim.compute
                 seconds = step_s + pack_s - sim.overhead - compute.prefill_fixed_s + compute.prefill_s_per_member
-                return seconds, (tokens, answers), lambda: (stepped(), filled())
+                return seconds, MixedReply(tokens, answers), lambda: (stepped(), filled())
             case ComposeCall():
                 return sim.compose(call.ref_ids, call.mode, call.r, self._new_ref_id(sim))
             case ExposeCall():

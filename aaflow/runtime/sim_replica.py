@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from aaflow.runtime.packing import common_prefix_len
+from aaflow.runtime.replies import Exposure, PrefillReply, Received, StepsReply
 
 Outcome = tuple[float, object, Callable[[], None] | None]  # seconds, value, state change at its end
 
@@ -185,12 +186,8 @@ class SimReplica:
         n = len(requests)
         seconds = (sum(o[0] for o in outcomes) - (n - 1) * self.overhead - (n - passes) * self.compute.prefill_fixed_s
                    + (n - 1) * self.compute.prefill_s_per_member)
-        answers = []
-        for r, (_, hit, _, _) in zip(requests, outcomes):
-            answer = {"computed": len(r.token_ids) - hit, "reused": hit}
-            if r.sampling is not None:
-                answer["token"] = first_token()
-            answers.append(answer)
+        answers = [PrefillReply(len(r.token_ids) - hit, hit, seconds, None if r.sampling is None else first_token())
+                   for r, (_, hit, _, _) in zip(requests, outcomes)]
 
         def apply() -> None:
             for r, (_, hit, key, _) in zip(requests, outcomes):
@@ -209,8 +206,8 @@ class SimReplica:
 
     def step(self, sids: list[str], next_token: Callable[[], int]) -> Outcome:
         """One decode step: a group of one, with its one token per session."""
-        seconds, (tokens, _), apply = self.steps(sids, 1, [(1, ())] * len(sids), next_token)
-        return seconds, [row[0] for row in tokens], apply
+        seconds, out, apply = self.steps(sids, 1, [(1, ())] * len(sids), next_token)
+        return seconds, [row[0] for row in out.tokens], apply
 
     def steps(self, sids: list[str], steps: int, stops: list[tuple], next_token: Callable[[], int]) -> Outcome:
         """A group of decode steps (`aaflow.cluster.step_group_runner.run_steps`): one call overhead; simulated
@@ -228,13 +225,13 @@ class SimReplica:
             self.ledger.own += len(sids) * count
 
         tokens = [[next_token() for _ in range(count)] for _ in sids]
-        return self.overhead + ends[-1], (tokens, ends), apply
+        return self.overhead + ends[-1], StepsReply(tokens, ends), apply
 
     def expose(self, ref_id: str, link, memcpy_bytes_per_s: float) -> Outcome:
         """The handle is the ref's token ids (the receiver caches them)."""
         ids = self.refs[ref_id][0]
         nbytes = len(ids) * self.kv_bytes_per_token
-        return self.overhead + link.source_copy_time(nbytes, memcpy_bytes_per_s), (ids, SimShape(nbytes), None), None
+        return self.overhead + link.source_copy_time(nbytes, memcpy_bytes_per_s), Exposure(ids, SimShape(nbytes), None), None
 
     def receive(self, ids: list[int], shape: SimShape, ref_id: str, link) -> Outcome:
         def apply() -> None:  # the received blocks enter the prefix cache too
@@ -242,7 +239,7 @@ class SimReplica:
             self._walk(ids, self.calls)
             self._add_ref(ref_id, ids, tuple(ids[:self.block]))
 
-        return self.overhead + link.transfer_time(shape.nbytes), (SimRecord(ref_id), shape), apply
+        return self.overhead + link.transfer_time(shape.nbytes), Received(SimRecord(ref_id), shape), apply
 
     def live_kv_bytes(self) -> int:
         """KV bytes held now: each session's own tokens, plus each shared prefix once (the longest

@@ -48,8 +48,10 @@ def test_transfer_is_byte_identical_and_continues_like_recompute(replicas, trans
     info_src, info_dst = ray.get([src.info.remote(), dst.info.remote()])
     assert info_src["pid"] != info_dst["pid"], "the two replicas must be two processes"
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, transport))
-    received, stats = ray.get(dst.receive.remote(handle, shape, record, transport))
+    exposure = ray.get(src.expose.remote(record.id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
+    answer = ray.get(dst.receive.remote(handle, shape, record, transport))
+    received, stats = answer.record, answer.stats
     ray.get(src.release.remote(handle, transport))
     assert stats.nbytes == record.nbytes and stats.bandwidth_bytes_per_s > 0
     assert torch.equal(ray.get(src.export_tensor.remote(record.id)), ray.get(dst.export_tensor.remote(received.id)))
@@ -66,7 +68,8 @@ def test_a_failed_transfer_raises_and_leaves_both_pools_consistent(replicas, tra
 
     src, dst = replicas
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, transport))
+    exposure = ray.get(src.expose.remote(record.id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     ray.get(src.release.remote(handle, transport))  # stale: the peer no longer exposes it
     with pytest.raises(af.KVTransferError):
         ray.get(dst.receive.remote(handle, shape, record, transport, 5.0))
@@ -82,7 +85,8 @@ def test_receiver_checks_model_and_shape_before_any_byte(replicas):
 
     src, dst = replicas
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, "ray"))
+    exposure = ray.get(src.expose.remote(record.id, "ray"))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     wrong_model = KVShape("0" * 64, shape.shape, shape.dtype)
     with pytest.raises(af.ModelMismatchError):
         ray.get(dst.receive.remote(handle, wrong_model, record, "ray"))

@@ -87,11 +87,13 @@ def test_replicas_move_kv_in_place_even_after_the_source_ref_is_freed(two_replic
     src, dst = two_replicas
     record = src.materialize(list(range(3, 90)))
     original = src.export_tensor(record.id)
-    handle, shape, record = src.expose(record.id, "nixl")
+    exposure = src.expose(record.id, "nixl")
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     assert handle.segments, "nixl exposes the KV where it lies in the pool"
     src.free(record.id)  # the exposure holds its blocks: new work must not overwrite them
     scratch = src.materialize(list(range(200, 300)))
-    received, stats = dst.receive(handle, shape, record, "nixl")
+    answer = dst.receive(handle, shape, record, "nixl")
+    received, stats = answer.record, answer.stats
     src.release(handle, "nixl")
     assert torch.equal(dst.export_tensor(received.id), original)
     assert not (src.endpoint._send_busy or src.endpoint._send_free or dst.endpoint._recv_buffers), "no staging buffer was used"
@@ -105,7 +107,8 @@ def test_replicas_move_kv_in_place_even_after_the_source_ref_is_freed(two_replic
 def test_a_failed_in_place_fetch_frees_what_it_reserved(two_replicas):
     src, dst = two_replicas
     record = src.materialize(list(range(3, 60)))
-    handle, shape, record = src.expose(record.id, "nixl")
+    exposure = src.expose(record.id, "nixl")
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     src.release(handle, "nixl")
     with pytest.raises(KVTransferError):
         dst.receive(handle, shape, record, "nixl", timeout_s=5)

@@ -31,10 +31,11 @@ def test_mixed_step_equals_a_step_then_a_packed_prefill(tiny_llama_dir):
         _start(r)
     tokens = apart.session_step(["d0", "d1"])
     outs = apart.session_prefill_many(requests)
-    mixed_tokens, mixed_outs = mixed.session_step_mixed(["d0", "d1"], requests)
+    reply = mixed.session_step_mixed(["d0", "d1"], requests)
+    mixed_tokens, mixed_outs = reply.tokens, reply.prefills
     assert mixed_tokens == tokens
-    assert [o.get("token") for o in mixed_outs] == [o.get("token") for o in outs]
-    assert [o["computed"] for o in mixed_outs] == [o["computed"] for o in outs] == [16, 9]
+    assert [o.token for o in mixed_outs] == [o.token for o in outs]
+    assert [o.computed for o in mixed_outs] == [o.computed for o in outs] == [16, 9]
     for sid in ("d0", "d1", "p0", "p1"):
         assert torch.allclose(_kv(mixed, sid), _kv(apart, sid), atol=1e-5, rtol=1e-5), sid
     assert mixed.session_step(["d0", "d1", "p1"]) == apart.session_step(["d0", "d1", "p1"])

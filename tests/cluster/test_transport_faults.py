@@ -86,7 +86,8 @@ def test_a_source_killed_during_the_fetch_is_a_bounded_typed_error(pair, transpo
     """A typed error within the deadline, or (ray only) an exact copy read from the object store."""
     ray, src, dst = pair
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, transport))
+    exposure = ray.get(src.expose.remote(record.id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     sent = ray.get(src.export_tensor.remote(record.id))  # the bytes the source exposed
     pid = _pid(ray, src)
     os.kill(pid, signal.SIGSTOP)  # the source stalls: the fetch below is in flight when it dies
@@ -97,7 +98,7 @@ def test_a_source_killed_during_the_fetch_is_a_bounded_typed_error(pair, transpo
         os.kill(pid, signal.SIGKILL)
     start = time.monotonic()
     try:
-        received, _ = ray.get(pending, timeout=TIMEOUT_S + MARGIN_S)
+        received = ray.get(pending, timeout=TIMEOUT_S + MARGIN_S).record
     except af.KVTransferError:
         received = None
     assert time.monotonic() - start < TIMEOUT_S + MARGIN_S
@@ -116,7 +117,8 @@ def test_a_peer_that_never_answers_times_out_and_the_source_recovers(peers, tran
     (`ray` reads the object store, which a frozen owner does not serve either; see the kill test.)"""
     ray, src, dst = peers
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, transport))
+    exposure = ray.get(src.expose.remote(record.id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     pid = _pid(ray, src)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -125,7 +127,7 @@ def test_a_peer_that_never_answers_times_out_and_the_source_recovers(peers, tran
         os.kill(pid, signal.SIGCONT)
     assert "timed out" in message or "no answer" in message, message
     _untouched(ray, dst)
-    received, _ = ray.get(dst.receive.remote(handle, shape, record, transport, 30.0))  # the source is back
+    received = ray.get(dst.receive.remote(handle, shape, record, transport, 30.0)).record  # the source is back
     ray.get([src.release.remote(handle, transport), src.free.remote(record.id), dst.free.remote(received.id)])
     _untouched(ray, dst)
     assert ray.get(src.stats.remote())["used_blocks"] == 0
@@ -135,7 +137,8 @@ def test_a_peer_that_never_answers_times_out_and_the_source_recovers(peers, tran
 def test_stale_and_forged_leases_are_refused_quickly(peers, transport):
     ray, src, dst = peers
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, transport))
+    exposure = ray.get(src.expose.remote(record.id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     forged = dataclasses.replace(handle, handle_id=uuid.uuid4().hex)  # an exposure the source never made
     _receive_fails_in_time(ray, dst, forged, shape, record, transport)
     ray.get(src.release.remote(handle, transport))
@@ -149,7 +152,8 @@ def test_stale_and_forged_leases_are_refused_quickly(peers, transport):
 def test_truncated_and_oversized_descriptors_allocate_nothing(peers, transport):
     ray, src, dst = peers
     record = ray.get(src.materialize.remote(CONTEXT))
-    handle, shape, record = ray.get(src.expose.remote(record.id, transport))
+    exposure = ray.get(src.expose.remote(record.id, transport))
+    handle, shape, record = exposure.handle, exposure.shape, exposure.record
     per_token = record.nbytes // len(record.token_ids)
     huge = 10**7  # tokens: gigabytes if a receiver sized its buffers from the descriptor
     forgeries = {
@@ -167,7 +171,7 @@ def test_truncated_and_oversized_descriptors_allocate_nothing(peers, transport):
         message = _receive_fails_in_time(ray, dst, h, s, r, transport, error=af.KVImportError)
         assert "forged" in message or "does not match" in message or "malformed" in message, (what, message)
         _untouched(ray, dst)
-    received, _ = ray.get(dst.receive.remote(handle, shape, record, transport, 30.0))  # the true one still works
+    received = ray.get(dst.receive.remote(handle, shape, record, transport, 30.0)).record  # the true one still works
     assert torch_equal(ray.get(src.export_tensor.remote(record.id)), ray.get(dst.export_tensor.remote(received.id)))
     ray.get([src.release.remote(handle, transport), src.free.remote(record.id), dst.free.remote(received.id)])
     _untouched(ray, dst)

@@ -224,8 +224,8 @@ def test_contention_estimate_uses_both_solo_timings_and_reports_drift():
 
 # --- the package -----------------------------------------------------------------------
 def test_costmodel_imports_no_ray_or_torch():
-    code = ("import sys; import costmodel.units, costmodel.model_profile, costmodel.hardware, costmodel.edge, "
-            "costmodel.whatif, costmodel.fitting; "
+    code = ("import sys; import aaflow.costmodel.units, aaflow.costmodel.model_profile, aaflow.costmodel.hardware, aaflow.costmodel.edge, "
+            "aaflow.costmodel.whatif, aaflow.costmodel.fitting; "
             "print(sorted(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
@@ -246,7 +246,7 @@ def test_simulated_fork_of_a_ref_reuses_what_an_earlier_fork_computed():
         _, out, apply = sim.prefill_many([PrefillRequest(sid, words)], lambda: 0)
         apply()
         answers.append(out[0])
-    assert [a["computed"] for a in answers] == [40, 110 - 96]  # 96: six whole blocks of 16 cached
+    assert [a.computed for a in answers] == [40, 110 - 96]  # 96: six whole blocks of 16 cached
     sim.steps(["second"], 1, [(1, ())], lambda: 0)[2]()  # decoded: its later segments are not looked up
     _, out, _ = sim.prefill_many([PrefillRequest("second", [7, 7, 7])], lambda: 0)
-    assert out[0]["computed"] == 3
+    assert out[0].computed == 3

@@ -31,19 +31,23 @@ class Counter:
 
 
 def test_run_steps_stops_at_the_first_budget_or_end_of_sequence():
-    tokens, ends = run_steps(Counter(), ["a", "b"], 8, [StepStop(8), StepStop(3)])
+    out = run_steps(Counter(), ["a", "b"], 8, [StepStop(8), StepStop(3)])
+    tokens, ends = out.tokens, out.ends_s
     assert tokens == [[1, 2, 3], [101, 102, 103]] and len(ends) == 3  # b's budget ends the group
     assert ends == sorted(ends)
-    tokens, ends = run_steps(Counter(), ["a", "b"], 8, [StepStop(8, frozenset({2})), StepStop(8)])
+    out = run_steps(Counter(), ["a", "b"], 8, [StepStop(8, frozenset({2})), StepStop(8)])
+    tokens, ends = out.tokens, out.ends_s
     assert tokens == [[1, 2], [101, 102]]  # a decoded its end-of-sequence id at the second step
-    tokens, _ = run_steps(Counter(), ["a"], 5, [StepStop(50)])
+    out = run_steps(Counter(), ["a"], 5, [StepStop(50)])
+    tokens, _ = out.tokens, out.ends_s
     assert tokens == [[1, 2, 3, 4, 5]]
 
 
 def test_a_failing_step_fails_the_call_with_the_tokens_before_it():
     with pytest.raises(RuntimeError, match="step failed") as failed:
         run_steps(Counter(fail_at=3), ["a"], 8, [StepStop(8)])
-    tokens, ends = failed.value.partial_steps
+    out = failed.value.partial_steps
+    tokens, ends = out.tokens, out.ends_s
     assert tokens == [[1, 2]] and len(ends) == 2
     with pytest.raises(RuntimeError, match="step failed") as failed:
         run_steps(Counter(fail_at=1), ["a"], 8, [StepStop(8)])
@@ -64,7 +68,8 @@ def test_a_group_of_steps_equals_single_steps_on_a_replica(tiny_llama_dir):
     for _ in range(6):
         for row, token in zip(expected, single.session_step(["s0", "s1"])):
             row.append(token)
-    tokens, ends = grouped.session_steps(["s0", "s1"], 6, [(6, frozenset()), (9, frozenset())])
+    out = grouped.session_steps(["s0", "s1"], 6, [(6, frozenset()), (9, frozenset())])
+    tokens, ends = out.tokens, out.ends_s
     assert tokens == expected and len(ends) == 6
     for sid in ("s0", "s1"):
         a, b = (r.engine.export_kv(r.sessions.table[sid].seq_id).kv for r in (single, grouped))
@@ -74,7 +79,8 @@ def test_a_group_of_steps_equals_single_steps_on_a_replica(tiny_llama_dir):
         r.session_close("s0"), r.session_close("s1")
         r.session_open("t")
         r.session_prefill("t", list(range(11, 45)), GREEDY)
-    tokens, _ = grouped.session_steps(["t"], 6, [(6, frozenset({eos}))])
+    out = grouped.session_steps(["t"], 6, [(6, frozenset({eos}))])
+    tokens, _ = out.tokens, out.ends_s
     assert tokens == [expected[1][:1]]
     for r in (single, grouped):
         r.session_close("t")

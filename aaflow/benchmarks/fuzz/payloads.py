@@ -132,7 +132,8 @@ class KVPayloads(Surface):
 
     def _descriptor(self, tokens, handle_edit, shape_edit, record_edit, which) -> None:
         record = self.src.materialize(tokens)
-        handle, shape, record = self.src.expose(record.id, "local")
+        exposure = self.src.expose(record.id, "local")
+        handle, shape, record = exposure.handle, exposure.shape, exposure.record
         exposed, ref_id = handle, record.id
         try:
             if which == "released":
@@ -150,7 +151,7 @@ class KVPayloads(Surface):
 
                     edit["fidelity"] = FidelityReport("rerotate", total_tokens=len(record.token_ids))
                 record = _replace(record, edit)
-            received, _ = self.dst.receive(handle, shape, record, "local", timeout_s=5.0)
+            received = self.dst.receive(handle, shape, record, "local", timeout_s=5.0).record
             self._allocated_ok = (received.nbytes <= record.nbytes, record.nbytes)
             self.dst.free(received.id)
         finally:

@@ -9,10 +9,10 @@ from .base import Transport, TransportUnavailableError
 from .emulated import EmulatedLink, parse_link_spec
 
 _BUILTIN = {
-    "local": "cluster.transports.local:LocalTransport",
-    "ray": "cluster.transports.ray_store:RayStoreTransport",
-    "nixl": "cluster.transports.nixl:NixlTransport",
-    "ucx": "cluster.transports.ucx:UcxTransport",
+    "local": "aaflow.cluster.transports.local:LocalTransport",
+    "ray": "aaflow.cluster.transports.ray_store:RayStoreTransport",
+    "nixl": "aaflow.cluster.transports.nixl:NixlTransport",
+    "ucx": "aaflow.cluster.transports.ucx:UcxTransport",
 }
 _registry: dict[str, str] = dict(_BUILTIN)
 PREFERRED = ("nixl", "ray", "ucx")  # between replicas, fastest measured here first (docs/RESULTS.md)
