@@ -10,6 +10,7 @@ from aaflow.engine.dtypes import resolve_dtype
 from aaflow.benchmarks.baseline_engines import VLLM_PYTHON, vllm_workflows
 from aaflow.configs import CONFIG_DIR
 from aaflow.runtime.probe_calls import ClearPrefixCacheCall
+from aaflow.workflow_files import workflow_from_dict
 
 PAPER_TOKENS = 560  # SmolLM2 tokens in aaflow/configs/workflows/paper.txt
 
@@ -27,7 +28,7 @@ def review_workflow(doc_tokens: int = 0, ignore_eos: bool = False):
            "agents": {a.name: {"model": a.model, "max_tokens": a.max_tokens, "ignore_eos": ignore_eos,
                                "prompt": [p if isinstance(p, str) else {"ref": p.name} for p in a.prompt]}
                       for a in wf.agents()}}
-    return af.workflow.workflow_from_dict(raw)
+    return workflow_from_dict(raw)
 
 
 def run_demo(workflow_path: str | None = None, replicas: int = 1, dtype: str = "auto", rounds: int = 2,

@@ -74,7 +74,7 @@ REPORTS = {  # the smallest report of each shape the benchmark writes
 
 @pytest.mark.parametrize("module", sorted(REPORTS))
 def test_each_benchmark_draws_its_report(tmp_path, module):
-    importlib.import_module(f"benchmarks.{module}")._plot(str(tmp_path / "r.json"), REPORTS[module])
+    importlib.import_module(f"aaflow.benchmarks.{module}")._plot(str(tmp_path / "r.json"), REPORTS[module])
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
