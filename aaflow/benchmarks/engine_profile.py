@@ -1,6 +1,6 @@
 """Where the built-in engine's time goes: torch.profiler over one prefill and one decode step.
 
-    python -m benchmarks.engine_profile [--dtype bfloat16]      (also part of `aaflow bench engine`)
+    python -m aaflow.benchmarks.engine_profile [--dtype bfloat16]      (also part of `aaflow bench engine`)
 
 Per phase: wall time, and the operators that take most of it (self CPU time summed over calls,
 their share of the phase, calls), grouped as matmul / attention / KV write+read / other.

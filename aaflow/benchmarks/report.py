@@ -132,6 +132,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m aaflow.benchmarks.report", description=__doc__.splitlines()[0])
     add_arguments(parser)
     raise SystemExit(run(parser.parse_args()))

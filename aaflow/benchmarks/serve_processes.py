@@ -2,7 +2,7 @@
 
 A loopback `ray start --head` (`aaflow.benchmarks.ray_head`) holds an `af.up` deployment: the replica and
 the deployment's scheduler actor, which every client's runs go to. Each of N client processes
-(`python -m benchmarks.serve_processes`) connects with `af.connect`, rebuilds the load from its
+(`python -m aaflow.benchmarks.serve_processes`) connects with `af.connect`, rebuilds the load from its
 parameters, and runs its share (workflow i in process i % N), one thread per workflow calling
 `af.run` at its arrival offset from one wall-clock instant shared by all processes; it prints its
 rows (`serve_load.run_threads`' figures, end times in seconds from that instant) as JSON.
