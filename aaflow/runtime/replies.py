@@ -62,7 +62,8 @@ class StepsReply:
 @dataclass(frozen=True)
 class Exposure:
     """A ref made readable by a peer: the transport's handle, the `KVShape` the receiver checks
-    before any byte lands, and the ref's record. `release(handle)` ends it."""
+    before any byte lands, and the ref's record. `release(handle)` ends it. (The simulated replica
+    answers the ref's token ids as the handle, a `SimShape` and no record.)"""
 
     handle: object
     shape: object
@@ -71,7 +72,9 @@ class Exposure:
 
 @dataclass(frozen=True)
 class Received:
-    """A peer's KV fetched as a new ref here: its record and the transport's `TransferStats`."""
+    """A peer's KV fetched as a new ref here: its record and the transport's `TransferStats`. (The
+    simulated replica answers a `SimRecord` and the transfer's `SimShape`: both have what the
+    scheduler reads, `record.id` and `stats.nbytes`.)"""
 
     record: RefRecord
     stats: object
