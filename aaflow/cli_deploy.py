@@ -7,6 +7,7 @@ import os
 
 from aaflow.cli_options import DTYPE_ARG, DTYPE_HELP, parse_engines
 from aaflow.serving import DEFAULT_HOST, DEFAULT_PORT, serve
+from aaflow.runtime.run_options import PREFIX_FETCH
 from aaflow.serving.api_key import API_KEY_ENV
 from aaflow.submission import submit
 from aaflow.cluster.deployment import down, status, up
@@ -81,7 +82,7 @@ def _submit(args) -> int:
 def _serve(args) -> int:
     serve(args.address, host=args.host, port=args.port, default_max_tokens=args.max_tokens,
           api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
-          allow_no_key=args.allow_no_key)
+          allow_no_key=args.allow_no_key, prefix_fetch=args.prefix_fetch)
     return 0
 
 
@@ -125,4 +126,7 @@ def add_deploy_commands(sub) -> None:
                        help=f"every route but /health asks for 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     serve.add_argument("--allow-no-key", action="store_true",
                        help="serve without an API key on an interface other machines can reach")
+    serve.add_argument("--prefix-fetch", default="auto", choices=PREFIX_FETCH,
+                       help="how a replica lacking a request's shared prefix gets it: the cost model chooses "
+                            "(auto, the default), always moved from a replica holding it, or always computed")
     serve.set_defaults(func=_serve)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aaflow.common.errors import InvalidArgumentError, WorkflowError
 from aaflow.runtime.results import RunResult
+from aaflow.runtime.run_options import PREFIX_FETCH
 from aaflow.common.strategies import STRATEGIES
 from aaflow.workflow.graph import Workflow
 from aaflow.cluster.remote_runs import RemoteRunHandle
@@ -23,7 +24,7 @@ def run(workflow, cluster, strategy: str = "auto", on_token=None, on_agent=None,
 
 def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, call_timeout_s: float = 300.0,
           transport: str | None = None, plan=None, lend_cores: bool = True, on_token=None, on_agent=None,
-          timeout_s: float | None = None, keep_prefix_s: float | None = None):
+          timeout_s: float | None = None, keep_prefix_s: float | None = None, prefix_fetch: str = "auto"):
     """Hand `workflow` to the scheduling loop of `cluster` and return its `RunHandle` at once
     (`result()` waits for the `RunResult`, `cancel()` ends it and frees its KV).
 
@@ -53,6 +54,9 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
         timeout_s: end the run (freeing its KV) with `RunCancelledError` once it has run this long.
         keep_prefix_s: keep the shared prefixes its agents forked this long after it ends (a later
             run reading one forks it rather than computing it; the HTTP endpoint's `ttl_s` hint).
+        prefix_fetch: how a replica that lacks a shared prefix gets it: "auto" (the cost model
+            chooses between moving its KV from a replica that holds it and computing it there, for
+            the agents the planner placed), "move" or "compute" (always).
 
     Callbacks run on the loop's thread (on a deployment: on a thread of this process): keep them short.
     """
@@ -60,8 +64,11 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
     finite = isinstance(keep_prefix_s, (int, float)) and 0 <= keep_prefix_s < float("inf")
     if keep_prefix_s is not None and not finite:
         raise InvalidArgumentError(f"keep_prefix_s must be a finite number of seconds >= 0, got {keep_prefix_s!r}")
+    if prefix_fetch not in PREFIX_FETCH:
+        raise InvalidArgumentError(f"prefix_fetch must be one of {', '.join(PREFIX_FETCH)}, got {prefix_fetch!r}")
     options = dict(chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s, transport=transport, plan=plan,
-                   lend_cores=lend_cores, timeout_s=timeout_s, keep_prefix_s=keep_prefix_s)
+                   lend_cores=lend_cores, timeout_s=timeout_s, keep_prefix_s=keep_prefix_s,
+                   prefix_fetch=prefix_fetch)
     remote = getattr(cluster, "scheduler", None)
     if remote is not None:  # a deployment's loop, in its actor
         return RemoteRunHandle.start(remote, workflow, strategy, on_token, on_agent, options)

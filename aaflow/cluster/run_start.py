@@ -18,7 +18,7 @@ from aaflow.cluster.ray_backend import service_for
 
 def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout_s: float, transport: str | None,
                plan, lend_cores: bool, timeout_s: float | None, on_token=None, on_agent=None,
-               keep_prefix_s: float | None = None) -> RunHandle:
+               keep_prefix_s: float | None = None, prefix_fetch: str = "auto") -> RunHandle:
     """`start` on a loop of this process: check and plan the run here, then hand it over."""
     called = time.perf_counter()
     workflow.validate(served_models=cluster.models)
@@ -38,7 +38,7 @@ def start_here(workflow, cluster, strategy: str, chunk_tokens: int, call_timeout
     if decisions:
         events.append(f"planner ({planning_s:.2f} s): " + ", ".join(f"{a}={s}" for a, s in decisions.items()))
     agents = workflow_agents(workflow, builders, strategy, decisions)
-    options = RunOptions(chunk_tokens, call_timeout_s, transport, lend_cores)
+    options = RunOptions(chunk_tokens, call_timeout_s, transport, lend_cores, prefix_fetch)
     return service_for(cluster).submit(workflow, agents, builders, eos, strategy, events, on_token=on_token,
                                        on_agent=on_agent, timeout_s=timeout_s, planning_s=planning_s, called=called,
                                        keep_prefix_s=keep_prefix_s, options=options)

@@ -1,16 +1,21 @@
 """This machine's calibrated hardware profiles: their names, where they are kept and how they are
 found (`aaflow calibrate` writes them; `aaflow.cluster.calibration.ensure_profile` calibrates on first use).
+$AAFLOW_HARDWARE_PROFILE, a profile's YAML path, overrides the machine's own: a deployment whose
+replicas sit on other hosts than the machine it was calibrated on (its links measured there) plans
+with the profile measured on that deployment.
 A compute entry is keyed by `model_key` (model, dtype, threads): profiles of other settings differ.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import socket
 from dataclasses import replace
 from pathlib import Path
 
+from aaflow.common.errors import CostModelError
 from aaflow.common.machine import cpu_kind
 from aaflow.models.registry import cache_dir
 from aaflow.costmodel.hardware import HardwareProfile, hardware_dir
@@ -33,9 +38,19 @@ def model_key(info: dict) -> str:
     return f"{Path(info['model']).name}|{info['dtype']}|{speed}"
 
 
+PROFILE_ENV = "AAFLOW_HARDWARE_PROFILE"
+
+
 def find_profile(name: str | None = None) -> HardwareProfile | None:
     """The calibrated profile of this machine, or None: `aaflow calibrate`'s (project configs),
-    completed by the entries calibrated on first use (the cache) for models it lacks."""
+    completed by the entries calibrated on first use (the cache) for models it lacks. Without a
+    `name`, the file $AAFLOW_HARDWARE_PROFILE names wins, alone (`CostModelError` if it is missing)."""
+    if name is None and os.environ.get(PROFILE_ENV):
+        path = Path(os.environ[PROFILE_ENV]).expanduser()
+        if not path.is_file():
+            raise CostModelError(f"${PROFILE_ENV} names {path}, which is not a file: point it at a profile "
+                                 "written by `aaflow calibrate`, or unset it to use this machine's")
+        return _load(path)
     name = name or default_profile_name()
     found = [_load(p) for p in (hardware_dir() / f"{name}.yaml", cached_profile_path(name)) if p.exists()]
     if not found:

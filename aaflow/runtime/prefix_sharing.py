@@ -93,51 +93,61 @@ class PrefixSharing:
         waiting.append(agent)
         if len(waiting) > 1:
             return
-        self._fetch(prefix, rname, may_compute=agent.planned)
+        self._fetch(prefix, rname, agent.planned, _fetch_of(agent))
 
-    def _fetch(self, prefix: PrefixKey, rname: str, may_compute: bool = False) -> None:
+    def _fetch(self, prefix: PrefixKey, rname: str, planned: bool = False, how: str = "auto") -> None:
         """Bring the prefix to `rname`: moved from a live replica that holds it, else computed there
-        (once: while another replica computes it, `rname` waits to receive it), unless
-        `may_compute` (the agent's strategy is the planner's, not one the user named) and the cost
-        model says computing it on `rname` ends sooner than either."""
+        (once: while another replica computes it, `rname` waits to receive it). `how` (the run's
+        `prefix_fetch`) "compute" computes it on `rname` instead, "move" never does; "auto" does
+        where the agent is `planned` (its strategy is the planner's, not one the user named) and
+        the cost model says computing it on `rname` ends sooner than either."""
         holders = self.refs.setdefault(prefix, {})
         source = next((r for r in self.queues.replicas if r in holders and r not in self.state.dead), None)
         if source is not None:
-            if may_compute and self._sooner_here(prefix, 0.0):
-                self._compute_here(prefix, rname)
+            if self._compute_rather(prefix, 0.0, planned, how):
+                self._compute_here(prefix, rname, how)
             else:
                 self._transfer(prefix, source, rname, holders[source])
         elif prefix not in self.origin:
             self.origin[prefix], self.origin_since[prefix] = rname, self.state.now()
             self.computing_here.add(PlacedPrefix(prefix, rname))
             self._materialize(prefix, rname, "first")
-        elif may_compute and self._sooner_here(prefix, self._ready_in(prefix)):
-            self._compute_here(prefix, rname)
+        elif self._compute_rather(prefix, None, planned, how):
+            self._compute_here(prefix, rname, how)
 
-    def _sooner_here(self, prefix: PrefixKey, holder_ready_in_s: float) -> bool:
+    def _compute_rather(self, prefix: PrefixKey, holder_ready_in_s: float | None, planned: bool, how: str) -> bool:
+        """Whether `rname` computes the prefix rather than receive it from a holder that has it in
+        `holder_ready_in_s` (None: from the origin computing it now)."""
+        if prefix.compose is not None or how == "move":
+            return False
+        if how == "compute":
+            return True
         costs = self.costs
-        return costs is not None and prefix.compose is None and costs.compute_here(prefix.model, len(prefix.ids), holder_ready_in_s)
+        if not planned or costs is None:
+            return False
+        ready_in = self._ready_in(prefix) if holder_ready_in_s is None else holder_ready_in_s
+        return costs.compute_here(prefix.model, len(prefix.ids), ready_in)
 
     def _ready_in(self, prefix: PrefixKey) -> float:
         """Seconds until the prefix's origin has computed it, as the cost model expects."""
         elapsed = self.state.now() - self.origin_since.get(prefix, self.state.now())
         return self.costs.ready_in_s(prefix.model, len(prefix.ids), elapsed)
 
-    def _compute_here(self, prefix: PrefixKey, rname: str) -> None:
+    def _compute_here(self, prefix: PrefixKey, rname: str, how: str) -> None:
         self.computing_here.add(PlacedPrefix(prefix, rname))
-        self.state.note(f"computing a prefix of {len(prefix.ids)} tokens on {rname}: sooner than moving it there "
-                        "(cost model)")
-        self._materialize(prefix, rname, "compute")
+        why = "sooner than moving it there (cost model)" if how == "auto" else "the run's prefix_fetch"
+        self.state.note(f"computing a prefix of {len(prefix.ids)} tokens on {rname}: {why}")
+        self._materialize(prefix, rname, "compute", chosen=how == "auto")
 
-    def _materialize(self, prefix: PrefixKey, rname: str, kind: str) -> None:
-        """Compute the prefix on `rname` (a decision of `kind`: `prefix_decisions`): in one piece, or
-        its contexts apart and then composed."""
+    def _materialize(self, prefix: PrefixKey, rname: str, kind: str, chosen: bool = False) -> None:
+        """Compute the prefix on `rname` (a decision of `kind`: `prefix_decisions`, `chosen` by the
+        cost model or not): in one piece, or its contexts apart and then composed."""
         if prefix.compose is None:
             costs = self.costs
 
             def materialized(record) -> None:  # priced at the tokens computed (the prefix cache may have had some)
                 predicted = costs.compute_s(prefix.model, record.computed) if costs is not None else None
-                self.decisions.record(kind, record.computed, 0, predicted, call.ran_s(), kind == "compute")
+                self.decisions.record(kind, record.computed, 0, predicted, call.ran_s(), chosen)
                 self._materialized(prefix, rname, record)
 
             call = Timed(materialized, self.state.now)
@@ -154,7 +164,7 @@ class PrefixSharing:
     def _transfer(self, prefix: PrefixKey, source: str, dest: str, ref_id: str) -> None:
         key = PlacedPrefix(prefix, dest)
         costs, waiting = self.costs, self.waiters.get(key, [])
-        chosen = costs is not None and any(a.planned for a in waiting)  # else moved unasked
+        chosen = costs is not None and any(a.planned and _fetch_of(a) == "auto" for a in waiting)  # else moved unasked
 
         def received(answer) -> None:
             move = self.transferring.pop(key, None)
@@ -316,3 +326,8 @@ class PrefixSharing:
             self.computing_here.add(key)
             self._materialize(key.prefix, key.replica, "recompute-after-failed-move")
 
+
+def _fetch_of(agent: AgentState) -> str:
+    """The `prefix_fetch` of the agent's run ("auto" for an agent without run options)."""
+    options = getattr(agent, "options", None)
+    return options.prefix_fetch if options is not None else "auto"

@@ -24,19 +24,23 @@ DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise: nothing listens on
 DEFAULT_PORT = 8000
 
 
-def serving_app(cluster, default_max_tokens: int | None = None, api_key: str | None = None):
+def serving_app(cluster, default_max_tokens: int | None = None, api_key: str | None = None,
+                prefix_fetch: str = "auto"):
     """The FastAPI app for `cluster` (its models' tokenizers loaded here, to tokenize prompts and
-    stream text); with `api_key`, every route but /health asks for it (`serving.api_key`)."""
+    stream text); with `api_key`, every route but /health asks for it (`serving.api_key`);
+    `prefix_fetch` is every run's (`af.start`)."""
     from aaflow.serving.app import DEFAULT_MAX_TOKENS, create_app  # optional: FastAPI (aaflow[serve])
 
     builders, _, _ = prompt_builders(set(cluster.models))
-    return create_app(cluster, builders, default_max_tokens or DEFAULT_MAX_TOKENS, api_key)
+    return create_app(cluster, builders, default_max_tokens or DEFAULT_MAX_TOKENS, api_key, prefix_fetch)
 
 
 def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-          default_max_tokens: int | None = None, api_key: str | None = None, allow_no_key: bool = False) -> None:
+          default_max_tokens: int | None = None, api_key: str | None = None, allow_no_key: bool = False,
+          prefix_fetch: str = "auto") -> None:
     """Serve the deployment at `address` (or RAY_ADDRESS) over HTTP until interrupted. Without
-    `api_key`, only on a loopback `host` unless `allow_no_key`."""
+    `api_key`, only on a loopback `host` unless `allow_no_key`. `prefix_fetch`: how a replica that
+    lacks a request's shared prefix gets it (`af.start`'s): "auto" (the cost model), "move", "compute"."""
     check_listen(host, api_key, allow_no_key)
     try:
         import uvicorn  # optional: aaflow[serve]
@@ -48,7 +52,7 @@ def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFA
         print(f"aaflow serve: models {', '.join(sorted(cluster.models))} at http://{host}:{port}/v1 "
               f"(OpenAI-compatible; /metrics for Prometheus; "
               f"{'API key required' if api_key else 'no API key'})", flush=True)
-        uvicorn.run(serving_app(cluster, default_max_tokens, api_key), host=host, port=port, log_level="warning")
+        uvicorn.run(serving_app(cluster, default_max_tokens, api_key, prefix_fetch), host=host, port=port, log_level="warning")
     finally:
         cluster.shutdown()
 

@@ -31,10 +31,11 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def create_app(cluster, builders: dict, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, prefix_fetch: str = "auto") -> FastAPI:
     """The API for `cluster` (a deployment from `af.connect`, or a local `af.init` cluster);
     `builders` the `PromptBuilder` per served model name (to tokenize prompts, and to stream text
-    as tokens arrive). With `api_key`, every route but /health asks for it (`serving.api_key`)."""
+    as tokens arrive). With `api_key`, every route but /health asks for it (`serving.api_key`).
+    `prefix_fetch` is every run's (`af.start`: how a replica gets a shared prefix it lacks)."""
     app = FastAPI(title="aaflow", description="OpenAI-compatible API of an aaflow deployment")
     hinted, metrics, created = HintedWorkflows(), ServingMetrics(), int(time.time())
     if api_key is not None:
@@ -96,7 +97,8 @@ def create_app(cluster, builders: dict, default_max_tokens: int = DEFAULT_MAX_TO
         on_token = (lambda _, t: loop.call_soon_threadsafe(tokens.put_nowait, t)) if body.stream else None
         # started here, streaming or not: a run refused at its start is an HTTP error, not a broken stream
         handle = await run_in_threadpool(lambda: af.start(run.workflow, cluster, strategy=run.strategy,
-                                                          on_token=on_token, **run.options))
+                                                          on_token=on_token, prefix_fetch=prefix_fetch,
+                                                          **run.options))
         if body.stream:
             return StreamingResponse(_stream(run, body, handle, tokens, reply, began), media_type="text/event-stream")
         answer = (await _ended(handle)).agents[run.agent]

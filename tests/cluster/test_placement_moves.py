@@ -49,3 +49,26 @@ def test_readers_of_a_busy_replicas_document_move_it_to_the_idle_one_and_answer_
     assert done.get("first") == 1 and sum(n for k, n in done.items() if k.startswith("move:")) == 1, after
     for name in moved.agents:
         assert moved[name].token_ids == text[name].token_ids, name
+
+
+def test_prefix_fetch_compute_makes_the_idle_replica_compute_the_document_and_answers_as_text_does(cluster):
+    before = service_for(cluster).scheduler.prefix_decisions()
+    computed = af.run(_readers(), cluster, strategy="transfer", prefix_fetch="compute")
+    after = service_for(cluster).scheduler.prefix_decisions()
+    text = af.run(_readers(), cluster, strategy="text")
+
+    agents = computed.agents.values()
+    assert len({a.replica for a in agents}) == 2  # both replicas read it
+    assert sum(a.bytes_moved for a in agents) == 0  # nothing moved: the second replica computed it
+    done = {k: v["count"] - before.get(k, {}).get("count", 0) for k, v in after.items()}
+    assert done.get("first") == 1 and done.get("compute") == 1, after
+    assert not any(n for k, n in done.items() if k.startswith("move:")), after
+    chosen = after["compute"]["chosen"] - before.get("compute", {}).get("chosen", 0)
+    assert chosen == 0  # the run asked for it; the cost model did not choose it
+    for name in computed.agents:
+        assert computed[name].token_ids == text[name].token_ids, name
+
+
+def test_an_unknown_prefix_fetch_is_refused_before_anything_runs(cluster):
+    with pytest.raises(af.InvalidArgumentError, match="prefix_fetch must be one of auto, move, compute"):
+        af.run(_readers(), cluster, prefix_fetch="sometimes")

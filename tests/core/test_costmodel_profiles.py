@@ -165,3 +165,17 @@ def test_scaled_compute_scales_every_term_and_rejects_bad_factors():
     assert split.decode_step_time(4, 1000) == pytest.approx(0.5 * c.decode_step_time(4, 1000))
     with pytest.raises(CostModelError, match="decode_factor"):
         c.scaled(1.0, 0.0)
+
+
+def test_the_profile_named_by_the_environment_wins_and_a_missing_one_is_a_clear_error(tmp_path, monkeypatch):
+    from aaflow.costmodel.profile_store import PROFILE_ENV, find_profile
+
+    measured = replace(load_hardware("h100"), name="on-the-deployment", links={"nixl": LinkProfile(1.25e7, 1e-3)})
+    path = tmp_path / "deployment.yaml"
+    measured.save(path)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    found = find_profile()
+    assert found.name == "on-the-deployment" and found.links["nixl"].bandwidth_bytes_per_s == 1.25e7
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "absent.yaml"))
+    with pytest.raises(CostModelError, match="AAFLOW_HARDWARE_PROFILE names .*absent.yaml"):
+        find_profile()
