@@ -113,10 +113,11 @@ def wait_until_serving(proc, port: int, timeout_s: float = 120.0) -> None:
 
 
 class HttpEndpoint:
-    """`aaflow serve` on the deployment at `head`, in a process of its own (as a user runs it), on
-    a free loopback port; `clients(ignore_eos)` runs a load through it; `close()` stops it."""
+    """`aaflow serve` on the deployment at `head` (its `address` and `env`), in a process of its own
+    (as a user runs it, with `serve_args` added), on a free loopback port; `clients(ignore_eos)` runs
+    a load through it; `close()` stops it."""
 
-    def __init__(self, head, model: str = "smollm2", timeout_s: float = 120.0) -> None:
+    def __init__(self, head, model: str = "smollm2", timeout_s: float = 120.0, serve_args: tuple[str, ...] = ()) -> None:
         import subprocess
         import sys
 
@@ -125,7 +126,7 @@ class HttpEndpoint:
         self.model, port = model, free_ports(1)[0]
         self.url = f"http://127.0.0.1:{port}/v1"
         self.proc = subprocess.Popen([sys.executable, "-m", "aaflow.cli", "serve", "--address", head.address,
-                                      "--port", str(port)], env=head.env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                      "--port", str(port), *serve_args], env=head.env, cwd=REPO, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         try:
             wait_until_serving(self.proc, port, timeout_s)

@@ -86,7 +86,7 @@ def _transfer_ttft(af, ray, cluster, kv, dst, transport: str) -> float:
     return seconds
 
 
-def _link_bytes(rate_mbit: float) -> int:
+def link_bytes(rate_mbit: float) -> int:
     """About a second of traffic at the nominal rate, 8..256 MiB."""
     return int(min(256 << 20, max(8 << 20, rate_mbit * 1e6 / 8)))
 
@@ -140,7 +140,7 @@ def inside(settings: dict) -> dict:
         seeds, rates = iter(range(10_000)), []
         for rate in settings["mbps"]:
             set_rate(layout, rate)
-            link_bw = statistics.median(measure_link(layout, 0, 1, _link_bytes(rate)) for _ in range(3))
+            link_bw = statistics.median(measure_link(layout, 0, 1, link_bytes(rate)) for _ in range(3))
             log(f"link at tbf {rate:g} Mbit/s: {link_bw * 8 / 1e6:.0f} Mbit/s achieved (one TCP stream)")
             contexts = []
             for n in tokens:

@@ -50,15 +50,18 @@ def run(args) -> dict:
 
     if args.quick:
         args.workflows, args.documents, args.doc_tokens, args.repeats, args.rates = 8, 2, 300, 1, []
-    docs = documents(args.documents, args.doc_tokens)
     report = {"benchmark": "serve", "machine": machine_facts(),
               "settings": {k: v for k, v in vars(args).items() if k not in ("func", "out")}, "shapes": {}}
-    eos_modes = [True, False] if args.both_eos else [True]
-    skew = f"skewed ({args.hot_documents} hot) " if args.hot_documents else ""
-    shapes = [(f"{skew}burst", None)] + [(f"{skew}poisson-{r:g}/s", r) for r in args.rates]
-    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos, args.hot_documents)
-             for ignore_eos in eos_modes}
+    loads, shapes = loads_and_shapes(args)
     report["code_commit"] = code_commit()
+    if args.hosts == "netns":  # the replicas on namespaced hosts over rate-limited links
+        from aaflow.benchmarks.serve_netns import run_netns
+
+        if args.replicas < 2:
+            raise SystemExit("--hosts netns needs --replicas 2 or more")
+        report = run_netns(args, report)
+        write_json(args.out, report)
+        return report
     if args.replicas > 1:  # N replicas over HTTP against N vllm serve behind vllm-router
         from aaflow.benchmarks.serve_replicas import run_replicas
 
@@ -76,10 +79,10 @@ def run(args) -> dict:
 
             endpoint = HttpEndpoint(head)
         af.run(warm_up_load()[0], cluster, strategy=args.strategy)  # kernels
-        bar = Stages(len(eos_modes) * len(shapes) * args.repeats, "bench serve")
+        bar = Stages(len(loads) * len(shapes) * args.repeats, "bench serve")
         for ignore_eos, workflows in loads.items():
             if args.strategy == "auto":  # each document's workflow planned once before (plans are memoized by shape)
-                for wf in workflows[:len(docs)]:
+                for wf in workflows[:args.documents]:
                     af.plan(wf, cluster, progress=None)
             alone = None
             if args.check_alone:
@@ -167,6 +170,18 @@ def _clients(args, head, ignore_eos: bool):
         head, load, offsets, strategy, args.processes, sample)
 
 
+def loads_and_shapes(args) -> tuple[dict, list]:
+    """The workflows per end-of-sequence mode ({ignore_eos: workflows}) and the shapes (name,
+    Poisson rate or None for the burst) that `args` ask for."""
+    docs = documents(args.documents, args.doc_tokens)
+    eos_modes = [True, False] if args.both_eos else [True]
+    skew = f"skewed ({args.hot_documents} hot) " if args.hot_documents else ""
+    shapes = [(f"{skew}burst", None)] + [(f"{skew}poisson-{r:g}/s", r) for r in args.rates]
+    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos, args.hot_documents)
+             for ignore_eos in eos_modes}
+    return loads, shapes
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="8 workflows over 2 short documents, one repeat, burst only")
     p.add_argument("--workflows", type=int, default=64)
@@ -204,4 +219,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="N > 1: aaflow with N replicas through aaflow serve against N vllm serve behind vllm-router")
     p.add_argument("--router-policies", nargs="+", default=list(ROUTER_POLICIES), choices=list(ROUTER_POLICIES),
                    help="vllm-router policies tried with --replicas (the fastest per shape is kept)")
+    p.add_argument("--hosts", choices=["local", "netns"], default="local",
+                   help="netns: with --replicas N, each replica (and vLLM instance) on its own network namespace "
+                        "host, joined by rate-limited links (root; `aaflow.benchmarks.serve_netns`)")
+    p.add_argument("--link-rates", type=float, nargs="+", default=[10000, 1000, 100], metavar="MBIT",
+                   help="with --hosts netns: the link rates (Mbit/s, tc tbf) measured in turn (default %(default)s)")
     p.add_argument("--out", default="results/serve.json")

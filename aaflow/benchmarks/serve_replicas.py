@@ -29,7 +29,7 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
 
     kv_bytes = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else default_kv_cache_bytes(args.replicas)
     pool = {"kv_cache_bytes": kv_bytes}
-    fleets, best = _tune_fleet(args, loads, shapes, kv_bytes, report) if args.vllm else ({}, {})
+    fleets, best = tune_fleet(args, loads, shapes, kv_bytes, report) if args.vllm else ({}, {})
     head, cluster = deployment(tempfile.mkdtemp(prefix="aaflow-serve-"), args.dtype, args.deterministic, pool,
                                replicas=args.replicas)
     endpoint = HttpEndpoint(head)
@@ -46,7 +46,7 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
                     for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
                         wait_until_quiet()
                         if side == "aaflow":
-                            s = _aaflow_load(cluster, workflows, offsets, args.strategy, endpoint.clients(ignore_eos))
+                            s = aaflow_http_load(cluster, workflows, offsets, args.strategy, endpoint.clients(ignore_eos))
                         else:
                             label, policy = side.split("@")
                             s = fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
@@ -83,7 +83,7 @@ def warm_links(cluster) -> None:
                 af.free(ref)
 
 
-def _aaflow_load(cluster, workflows: list, offsets: list[float], strategy: str, clients) -> dict:
+def aaflow_http_load(cluster, workflows: list, offsets: list[float], strategy: str, clients) -> dict:
     """One load through `aaflow serve`: `aaflow_load`'s figures plus how the deployment's replicas
     got the shared prefixes they lacked over it (moves and computations, the cost model's predicted
     seconds against the measured ones: `aaflow.runtime.prefix_decisions`)."""
@@ -115,10 +115,11 @@ def fleet_load(fleet, policy: str, workflows: list, offsets: list[float], ignore
     return summary
 
 
-def _tune_fleet(args, loads: dict, shapes: list, kv_bytes: int, report: dict) -> tuple[dict, dict]:
+def tune_fleet(args, loads: dict, shapes: list, kv_bytes: int, report: dict) -> tuple[dict, dict]:
     """Every configuration x router policy runs each load once, one fleet at a time (each holds its
     KV pools); answers ({config label: fleet}, {shape key: "<config label>@<policy>"}), the fleets
-    some shape keeps started again for the measured repeats."""
+    some shape keeps started again for the measured repeats. With `args.fleet_hosts`, instance i runs
+    on testbed host i (`VllmFleet`'s `hosts`)."""
     from aaflow.engine.dtypes import resolve_dtype
     from aaflow.models import resolve_model_path
     from aaflow.benchmarks.vllm_config import grid
@@ -132,7 +133,8 @@ def _tune_fleet(args, loads: dict, shapes: list, kv_bytes: int, report: dict) ->
                                                                                            args.vllm_block_sizes)}
 
     def start(config):
-        fleet = VllmFleet(model, config, cores, kv_bytes, dtype, args.router_policies[0])
+        fleet = VllmFleet(model, config, cores, kv_bytes, dtype, args.router_policies[0],
+                          hosts=getattr(args, "fleet_hosts", None))
         fleet_load(fleet, args.router_policies[0], warm_up_load(), [0.0], True)  # graphs, as aaflow warms up
         return fleet
 

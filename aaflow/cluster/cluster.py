@@ -74,8 +74,9 @@ class Cluster:
     (bf16 where this CPU has native bf16, else fp32: `aaflow.engine.dtypes`); vLLM replicas get bf16.
     `detached=True` (what `aaflow up` uses) names the replica actors `replica:<name>` in the Ray
     namespace `aaflow` and lets them and their placement group outlive this process.
-    `actor_env` replaces the replicas' loopback settings where Ray starts here (`aaflow.cluster.actors.
-    ACTOR_ENV`), e.g. `{"UCX_NET_DEVICES": "eth1", "UCX_TLS": "tcp"}` for NIXL/UCX across hosts.
+    `actor_env` is added to the replicas' environment where Ray is joined here (`aaflow.cluster.actors.
+    start_ray`: UCX and gloo on loopback where Ray is local), e.g. `{"UCX_NET_DEVICES": "eth1",
+    "UCX_TLS": "tcp"}` for NIXL/UCX across hosts.
     """
 
     def __init__(self, replicas: dict[str, int], address: str | None = None, dtype: str = "auto",

@@ -65,15 +65,16 @@ def _check_listening(address: str, timeout_s: float = 5.0) -> None:
                               "--node-ip-address=127.0.0.1` and pass the address it prints") from None
 
 
-def _join(address: str | None) -> tuple[str, bool]:
-    """Join the Ray cluster at `address` (or RAY_ADDRESS); returns it and whether this call started Ray here."""
+def _join(address: str | None, actor_env: dict[str, str] | None = None) -> tuple[str, bool]:
+    """Join the Ray cluster at `address` (or RAY_ADDRESS), the actors started from here with
+    `actor_env` (`start_ray`); returns it and whether this call started Ray here."""
     address = _address(address)
     _check_listening(address)
     owns = not ray.is_initialized()
     if owns:
         enable_here()  # a head started where a token exists wants it (aaflow/cluster/ray_auth.py)
     try:
-        start_ray(address=address)
+        start_ray(address=address, actor_env=actor_env)
     except (ConnectionError, RuntimeError) as exc:
         raise DeploymentError(f"cannot reach a Ray cluster at {address}: {exc}{auth_hint(exc)}; start one with "
                               f"`ray start --head --node-ip-address=127.0.0.1` and pass its address") from exc
@@ -105,7 +106,7 @@ def up(replicas: dict[str, int], address: str | None = None, client_lease_s: flo
     if not (isinstance(client_lease_s, (int, float)) and 0 < client_lease_s < float("inf")):
         raise InvalidArgumentError(f"client_lease_s must be a positive number of seconds, got {client_lease_s!r}")
 
-    address, owns = _join(address)
+    address, owns = _join(address, kwargs.get("actor_env"))
     try:
         record = ray.remote(DeploymentRecord).options(
             name=RECORD_NAME, namespace=DEPLOYMENT_NAMESPACE, lifetime="detached", num_cpus=0).remote()

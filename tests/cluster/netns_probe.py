@@ -28,11 +28,17 @@ def _node_ip(actor) -> str:
     return ray.get(actor.__ray_call__.remote(lambda self: ray.util.get_node_ip_address()), timeout=60)
 
 
-def main(model: str, transports: list[str]) -> dict:
+def main(model: str, transports: list[str], deployment: bool = False) -> dict:
+    """With `deployment`, the replicas are an `af.up` deployment given no `actor_env`: its UCX and
+    gloo settings are the hosts' (the testbed's Ray nodes name the link's interface)."""
     layout = Layout.from_json(os.environ["AAFLOW_NETNS_LAYOUT"])
-    cluster = af.init(replicas={model: 2}, address=layout.ray_address, placement_strategy="STRICT_SPREAD",
-                      num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20, placement_timeout_s=60,
-                      load_timeout_s=120, actor_env={"UCX_NET_DEVICES": DEVICE, "UCX_TLS": "tcp"})
+    options = dict(placement_strategy="STRICT_SPREAD", num_cpus=2, dtype="float32", kv_cache_bytes=8 * 2**20,
+                   placement_timeout_s=60, load_timeout_s=120)
+    if deployment:
+        cluster = af.up({model: 2}, address=layout.ray_address, **options)
+    else:
+        cluster = af.init(replicas={model: 2}, address=layout.ray_address,
+                          actor_env={"UCX_NET_DEVICES": DEVICE, "UCX_TLS": "tcp"}, **options)
     out: dict = {"transports": {}}
     try:
         where = {r.name: _node_ip(r.actor) for r in cluster.replicas()}
@@ -51,8 +57,11 @@ def main(model: str, transports: list[str]) -> dict:
             af.free(kv)
     finally:
         cluster.shutdown()
+        if deployment:
+            af.down(layout.ray_address)
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2:])))
+    args = sys.argv[1:]
+    print(json.dumps(main(args[0], [a for a in args[1:] if a != "--deployment"], "--deployment" in args)))

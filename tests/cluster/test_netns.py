@@ -62,6 +62,20 @@ def test_kv_moved_across_the_link_gives_the_recomputed_tokens(moved, transport):
         f"{transport}: host 0's link sent {got['link_tx_bytes']} bytes for {got['kv_bytes']} bytes of KV")
 
 
+def test_a_deployment_given_no_actor_env_moves_kv_across_the_hosts_over_their_link(testbed, moved, tiny_llama_dir):
+    """`af.up` on a cluster reached at a routable address leaves UCX and gloo to the hosts' settings
+    (here the link's interface), not loopback's: the KV crosses the link and gives the same tokens."""
+    names = [t for t in REMOTE_TRANSPORTS if unavailable(t) is None]
+    out = testbed.run(0, [sys.executable, "-m", "tests.cluster.netns_probe", str(tiny_llama_dir), *names,
+                          "--deployment"], timeout_s=240)
+    assert out.returncode == 0, f"the probe inside {testbed.layout.hosts[0].netns} failed:\n{out.stderr[-3000:]}"
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    for name in names:
+        got = report["transports"][name]
+        assert got["tokens"] == got["reference"] == moved["transports"][name]["tokens"], name
+        assert got["link_tx_bytes"] >= got["kv_bytes"] > 0, name
+
+
 def test_the_testbed_listens_only_on_addresses_it_made(testbed):
     ours = {h.address for h in testbed.layout.hosts}
     for h in testbed.layout.hosts:

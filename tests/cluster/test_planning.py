@@ -41,6 +41,20 @@ def test_calibration_measures_compute_links_and_saves_a_profile(calibrated):
     assert HardwareProfile.load(out) == profile
 
 
+def test_links_measured_again_keep_the_compute_entries_and_replace_the_link(calibrated):
+    from dataclasses import replace
+
+    from aaflow.cluster.calibration import calibrate_links
+    from aaflow.costmodel.hardware import LinkProfile
+
+    cluster, _, profile, _ = calibrated
+    stale = replace(profile, links={"ray": LinkProfile(1.0, 9.0)})  # as if calibrated over another network
+    again = calibrate_links(cluster, stale, ("ray",), tokens=(16, 128), progress=None)
+    assert again.compute == profile.compute and again.memcpy_bytes_per_s == profile.memcpy_bytes_per_s
+    assert again.links["ray"].bandwidth_bytes_per_s > 1e6 and again.links["ray"].latency_s < 9.0
+    assert "links ray measured again" in again.source
+
+
 def test_a_quick_fit_off_by_too_much_is_measured_again_on_the_full_grid(calibrated, monkeypatch):
     import aaflow.cluster.calibration as calibration
 
