@@ -60,15 +60,20 @@ def run(args) -> dict:
                 "model": args.model, "repeats": 2 if args.quick else args.repeats,
                 "out": os.path.abspath(args.out)}
     with NetnsTestbed(hosts=2, rate_mbit=None, node_cpus=1, object_store_bytes=1 << 30) as testbed:
-        log(f"testbed up: {[h.netns + ' ' + h.address for h in testbed.layout.hosts]}, Ray at "
-            f"{testbed.layout.ray_address}")
-        proc = testbed.popen(0, [sys.executable, "-m", "aaflow.benchmarks.netns_crossover", json.dumps(settings)])
-        if proc.wait() != 0:
-            raise RuntimeError(f"the driver inside {testbed.layout.hosts[0].netns} failed ({proc.returncode})")
+        drive_inside(testbed, "aaflow.benchmarks.netns_crossover", settings)
     with open(settings["out"]) as f:
         report = json.load(f)
     _plot(report, settings["out"])
     return report
+
+
+def drive_inside(testbed, module: str, settings: dict) -> None:
+    """Run `python -m module <settings as JSON>` inside host 0 of the started `testbed`, to its end."""
+    log(f"testbed up: {[h.netns + ' ' + h.address for h in testbed.layout.hosts]}, Ray at "
+        f"{testbed.layout.ray_address}")
+    proc = testbed.popen(0, [sys.executable, "-m", module, json.dumps(settings)])
+    if proc.wait() != 0:
+        raise RuntimeError(f"the driver inside {testbed.layout.hosts[0].netns} failed ({proc.returncode})")
 
 
 def _node_ip(ray, actor) -> str:

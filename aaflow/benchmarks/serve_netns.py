@@ -32,7 +32,7 @@ import types
 from dataclasses import asdict
 from pathlib import Path
 
-from aaflow.benchmarks.common import log, machine_facts, wait_until_quiet, write_json
+from aaflow.benchmarks.common import log, machine_facts, write_json
 from aaflow.benchmarks.serve_shapes import arrivals, shape_key, warm_up_load
 
 FETCHES = ("auto", "move", "compute")  # `aaflow serve --prefix-fetch` of each aaflow side
@@ -42,6 +42,7 @@ SETTLE_S = 2.0  # after a link rate changes, before measuring it
 
 def run_netns(args, report: dict) -> dict:
     """Build the testbed, run the measurements inside host 0, tear everything down; the report."""
+    from aaflow.benchmarks.netns_crossover import drive_inside
     from aaflow.cluster.netns import NetnsTestbed
     from aaflow.cluster.netns_layout import available
     from aaflow.costmodel.profile_store import PROFILE_ENV
@@ -55,11 +56,7 @@ def run_netns(args, report: dict) -> dict:
     profile = Path(tempfile.mkdtemp(prefix="aaflow-netns-profile-")) / "deployment.yaml"
     with NetnsTestbed(hosts=args.replicas, rate_mbit=None, node_cpus=1, object_store_bytes=1 << 30,
                       env={PROFILE_ENV: str(profile)}) as testbed:
-        log(f"testbed up: {[h.netns + ' ' + h.address for h in testbed.layout.hosts]}, Ray at "
-            f"{testbed.layout.ray_address}")
-        proc = testbed.popen(0, [sys.executable, "-m", "aaflow.benchmarks.serve_netns", json.dumps(settings)])
-        if proc.wait() != 0:
-            raise RuntimeError(f"the driver inside {testbed.layout.hosts[0].netns} failed ({proc.returncode})")
+        drive_inside(testbed, "aaflow.benchmarks.serve_netns", settings)
     with open(settings["out"]) as f:
         return json.load(f)
 
@@ -91,7 +88,6 @@ def inside(settings: dict) -> dict:
         for fleet in fleets.values():
             fleet.close()
         set_rate(layout, None)
-    write_json(out, report)
     return report
 
 
@@ -100,7 +96,7 @@ def _at_rate(args, layout, deployment: "Deployment", rate: float, loads: dict, s
     import time
 
     from aaflow.benchmarks.netns_crossover import link_bytes
-    from aaflow.benchmarks.serve_replicas import aaflow_http_load, fleet_load
+    from aaflow.benchmarks.serve_replicas import aaflow_http_load, alternating_loads, fleet_load
     from aaflow.benchmarks.serve_sides import medians
     from aaflow.cluster.netns_layout import set_rate
     from aaflow.cluster.netns_link import measure_link
@@ -116,21 +112,15 @@ def _at_rate(args, layout, deployment: "Deployment", rate: float, loads: dict, s
             key = shape_key(shape, ignore_eos)
             offsets = arrivals(len(workflows), arrival_rate, seed=1)
             sides = [f"aaflow:{f}" for f in FETCHES] + ([best[key]] if key in best else [])
-            samples: dict[str, list] = {}
-            for rep in range(args.repeats):
-                for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
-                    wait_until_quiet()
-                    if side.startswith("aaflow:"):
-                        clients = deployment.endpoints[side.split(":")[1]].clients(ignore_eos)
-                        s = aaflow_http_load(deployment.cluster, workflows, offsets, "auto", clients)
-                    else:
-                        label, policy = side.split("@")
-                        s = fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
-                    samples.setdefault(side, []).append(s)
-                    moves = {k: v["count"] for k, v in s.get("prefix_decisions", {}).items()}
-                    log(f"{rate:g} Mbit/s, {key} rep {rep + 1} {side}: {s['completed']}/{len(workflows)} in "
-                        f"{s['wall_s']:.2f} s, p99 {s.get('latency_p99_s', 0):.2f} s"
-                        + (f", prefixes {moves}" if moves else ""))
+
+            def load(side: str) -> dict:
+                if side.startswith("aaflow:"):
+                    clients = deployment.endpoints[side.split(":")[1]].clients(ignore_eos)
+                    return aaflow_http_load(deployment.cluster, workflows, offsets, "auto", clients)
+                label, policy = side.split("@")
+                return fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
+
+            samples = alternating_loads(sides, args.repeats, load, f"{rate:g} Mbit/s, {key}", len(workflows))
             row["shapes"][key] = verdicts({side: medians(v) for side, v in samples.items()},
                                           report.get("vllm_tuning", {}).get(key))
             log(f"{rate:g} Mbit/s, {key}: " + ", ".join(f"{k} {v:.2f}" for k, v in row["shapes"][key].items()

@@ -40,21 +40,15 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
             for shape, rate in shapes:
                 key = shape_key(shape, ignore_eos)
                 offsets = arrivals(len(workflows), rate, seed=1)
-                samples: dict[str, list] = {}
-                for rep in range(args.repeats):
-                    sides = ["aaflow"] + ([best[key]] if key in best else [])
-                    for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
-                        wait_until_quiet()
-                        if side == "aaflow":
-                            s = aaflow_http_load(cluster, workflows, offsets, args.strategy, endpoint.clients(ignore_eos))
-                        else:
-                            label, policy = side.split("@")
-                            s = fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
-                        samples.setdefault(side, []).append(s)
-                        moves = {k: v["count"] for k, v in s.get("prefix_decisions", {}).items()}
-                        log(f"{key} rep {rep + 1} {side}: {s['completed']}/{len(workflows)} in {s['wall_s']:.2f} s, "
-                            f"p50 {s.get('latency_p50_s', 0):.2f} s, p99 {s.get('latency_p99_s', 0):.2f} s"
-                            + (f", prefixes {moves}" if moves else ""))
+                sides = ["aaflow"] + ([best[key]] if key in best else [])
+
+                def load(side: str) -> dict:
+                    if side == "aaflow":
+                        return aaflow_http_load(cluster, workflows, offsets, args.strategy, endpoint.clients(ignore_eos))
+                    label, policy = side.split("@")
+                    return fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
+
+                samples = alternating_loads(sides, args.repeats, load, key, len(workflows))
                 report["shapes"][key] = compare({side: medians(v) for side, v in samples.items()},
                                                  report.get("vllm_tuning", {}).get(key))
     finally:
@@ -66,6 +60,22 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
 
         af.down(head.address)
         head.stop()
+
+
+def alternating_loads(sides: list[str], repeats: int, load, label: str, count: int) -> dict[str, list]:
+    """`load(side)` (one load of `count` workflows: its summary) `repeats` times per side, the sides
+    in turn, each repeat starting one side later; logged as they end. The summaries per side."""
+    samples: dict[str, list] = {}
+    for rep in range(repeats):
+        for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:
+            wait_until_quiet()
+            s = load(side)
+            samples.setdefault(side, []).append(s)
+            moves = {k: v["count"] for k, v in s.get("prefix_decisions", {}).items()}
+            log(f"{label} rep {rep + 1} {side}: {s['completed']}/{count} in {s['wall_s']:.2f} s, "
+                f"p50 {s.get('latency_p50_s', 0):.2f} s, p99 {s.get('latency_p99_s', 0):.2f} s"
+                + (f", prefixes {moves}" if moves else ""))
+    return samples
 
 
 def warm_links(cluster) -> None:
