@@ -14,8 +14,11 @@ attention in bf16 runs in a compiled kernel"). One pass per chunk (scores in fp3
 probabilities rounded to bf16 for the V sum, as flash rounds them), the chunks merged in order
 through their maxima and sums, replaced two passes with torch's softmax between them (a shorter
 decode step: docs/RESULTS-history.md). Chunks sit at fixed key positions, so a sequence's result
-does not depend on the batch it runs in. Given a part over other keys (its output and log-sum-exp:
-cascade's shared prefix), the kernel merges it in the same pass.
+does not depend on the batch it runs in. The chunks over the same keys (the readers of one cached
+document in a serving batch) run one after the other on one thread, so that all but the first read
+the chunk's K and V from cache rather than memory; the order changes no result. Given a part over
+other keys (its output and log-sum-exp: cascade's shared prefix), the kernel merges it in the same
+pass.
 
 The kernel is compiled on first use with the machine's compiler (torch's cpp_extension, about 30 s,
 cached under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions). Without a compiler, or with

@@ -218,6 +218,10 @@ class Scheduler(AgentLifecycle):
     def is_dead(self, replica: str) -> bool:
         return replica in self.state.dead
 
+    def room_wanted(self) -> bool:
+        """Some agent waits for KV room to open on its replica."""
+        return any(self.admission.waiting.values())
+
     def held_prefixes(self) -> set:
         """The keys of the shared prefixes held on some replica."""
         return set(self.prefixes.refs)

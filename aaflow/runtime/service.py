@@ -168,10 +168,11 @@ class RunService:
                                                    f"{run.options.call_timeout_s:.0f} s", stuck))
 
     def _release_kept(self) -> float | None:
-        """Free the kept prefixes whose time is up and that no pending agent reads; the seconds
-        until the next one is due (None: nothing kept)."""
+        """Free the kept prefixes whose time is up, or all of them while an agent waits for KV room
+        (a keep only uses room nobody wants), that no pending agent reads; the seconds until the
+        next one is due (None: nothing kept)."""
         now = self.scheduler.now()
-        due = {k for k, until in self.kept.items() if until <= now}
+        due = set(self.kept) if self.scheduler.room_wanted() else {k for k, until in self.kept.items() if until <= now}
         for key in due:
             del self.kept[key]
         self.scheduler.free_prefixes(due)

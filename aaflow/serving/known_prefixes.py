@@ -25,6 +25,11 @@ MIN_SHARED_TOKENS = DEFAULT_BLOCK_TOKENS  # a shared prefix must hold a KV block
 FORGET_AFTER_S = 600.0  # a prefix no request has begun with for this long is forgotten
 STARTS_KEPT = 4096  # distinct prefix starts remembered (the least recently used go first)
 PER_START = 8  # prefixes remembered per start (the most recent)
+# A request that forks a prefix other workflows shared keeps it this long after its run: at a few
+# workflows a second over a few documents, the next reader of a document comes within seconds, and
+# would otherwise find it freed and make it again (a call in front of it). Kept only while no agent
+# waits for KV room (`RunService._release_kept`): a keep uses room nobody wants.
+KEEP_KNOWN_S = 10.0
 
 
 class KnownPrefixes:

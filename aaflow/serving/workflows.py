@@ -14,7 +14,8 @@ request (its reference). A later request of the workflow shares the longest toke
 common with the reference, short of its own last token, if that reaches `MIN_SHARED_TOKENS`
 beyond the chat header: that prefix is its static prefix, which the scheduler materializes once and
 forks for every agent that reads it, moves to another replica that needs it, keeps while agents
-that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`). The reference is then
+that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`; a prefix other
+workflows shared before, `KEEP_KNOWN_S` after, while no agent waits for the KV room it takes). The reference is then
 cut to the prefix shared, so that the workflow's later requests share that same prefix (one KV
 object for them all) or a shorter one. A prefix so shared is remembered across workflows
 (`aaflow.serving.known_prefixes`): any other request whose prompt begins with it (another
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import aaflow as af
 from aaflow.runtime.prompts import PromptBuilder
-from aaflow.serving.known_prefixes import MIN_SHARED_TOKENS, KnownPrefixes
+from aaflow.serving.known_prefixes import KEEP_KNOWN_S, MIN_SHARED_TOKENS, KnownPrefixes
 from aaflow.serving.requests import AgentHintsBody, RequestError
 
 FORGET_AFTER_S = 600.0  # a hinted workflow not heard from for this long is forgotten
@@ -122,7 +123,10 @@ def request_run(builder: PromptBuilder, model: str, system: str | None, history:
             remembered.known.remember(model, ids[:shared], header)
         if hints.ttl_s:
             options["keep_prefix_s"] = hints.ttl_s
-    shared = shared or remembered.known.longest(model, ids, header)
+    if not shared:
+        shared = remembered.known.longest(model, ids, header)
+        if shared:  # read by other workflows before: the next reader may well come soon
+            options.setdefault("keep_prefix_s", KEEP_KNOWN_S)
     if shared:
         strategy, options["plan"] = "auto", ServerPlan({agent: "transfer"})
     lead = shared or min(max(header, 1), len(ids) - 1)

@@ -267,6 +267,22 @@ def test_keep_prefix_s_keeps_a_shared_prefix_for_the_next_run_then_frees_it(one_
         af.start(fan_out(model), cluster, keep_prefix_s=-1)
 
 
+def test_a_kept_prefix_goes_as_soon_as_an_agent_waits_for_kv_room(one_replica, monkeypatch):
+    """A keep only uses room nobody wants: while an agent waits for KV room, the loop frees the
+    kept prefixes no pending agent reads, however long their keep."""
+    import ray
+
+    cluster, model = one_replica
+    replica, scheduler = cluster.replicas()[0], service_for(cluster).scheduler
+    af.run(fan_out(model), cluster, strategy="transfer", keep_prefix_s=600.0)
+    assert ray.get(replica.actor.stats.remote())["refs"] == 1
+    monkeypatch.setattr(scheduler, "room_wanted", lambda: True)  # as when an agent's KV does not fit yet
+    af.run(chain(model), cluster, strategy="text")  # wakes the loop
+    assert ray.get(replica.actor.stats.remote())["refs"] == 0
+    assert not service_for(cluster).kept
+    assert_no_kv_left(cluster)
+
+
 def test_a_bug_in_the_loop_outside_a_call_fails_the_run_instead_of_hanging_it(one_replica, monkeypatch):
     """Handing results is outside the replica calls' error handling: a bug there ends the runs with
     it, and the loop serves the next run."""

@@ -99,6 +99,22 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch(kernel, dtype):
     assert torch.equal(reversed_.flip(0), together)
 
 
+@DTYPES
+def test_readers_of_shared_documents_interleaved_get_their_bits_alone_and_the_attention(kernel, dtype):
+    """Rows whose contexts begin with the same slots (readers of one document, interleaved with
+    another document's readers, as a serving batch holds them) run one after the other over those
+    keys: each still gets the bits it gets alone, and the attention over its context."""
+    q, k_cache, v_cache, parts = _paged_batch([600, 300, 5, 9, 300, 1, 40, 7], seed=3, dtype=dtype)
+    documents, own, q = parts[:2], parts[2:], q[2:]  # 600 and 300 shared keys; each row's own
+    contexts = [torch.cat([documents[b % 2], slots]) for b, slots in enumerate(own)]
+    together, _ = _run(kernel, q, k_cache, v_cache, contexts)
+    for b, slots in enumerate(contexts):
+        alone, _ = _run(kernel, q[b:b + 1], k_cache, v_cache, [slots])
+        assert torch.equal(alone[0], together[b]), f"row {b}"
+        ref, _ = _reference(q[b], k_cache, v_cache, slots)
+        assert float((together[b].float() - ref).abs().max()) <= ref.abs().max() * TOLERANCE[dtype], f"row {b}"
+
+
 def test_the_last_keys_of_a_context_score_as_in_a_group_of_four(kernel):
     """Keys past a context's last group of four are summed in the group's lane order, so a key's
     score does not change as the context grows past it. Each key's head here dots with the ones

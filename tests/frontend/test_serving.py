@@ -175,6 +175,7 @@ def test_a_request_becomes_one_rendered_agent_and_hints_share_the_common_token_p
 
     from aaflow.runtime.prompts import PromptBuilder
     from aaflow.serving.requests import AgentHintsBody, Message, conversation
+    from aaflow.serving.known_prefixes import KEEP_KNOWN_S
     from aaflow.serving.workflows import MIN_SHARED_TOKENS, HintedWorkflows, request_run
 
     system, history, user = conversation([Message(role="system", content="S"), Message(role="user", content="u1"),
@@ -206,14 +207,17 @@ def test_a_request_becomes_one_rendered_agent_and_hints_share_the_common_token_p
     assert shared - header >= MIN_SHARED_TOKENS
     assert reader.agent == "b" and segments == [ids[:shared], ids[shared:]]
     assert reader.strategy == "auto" and reader.options["plan"].decisions == {"b": "transfer"}  # the cost model's to move
+    assert reader.options["keep_prefix_s"] == 9  # its workflow's ttl_s; nothing else keeps what a workflow shares
     again, segments = run(doc + ". Six more questions.", reader_hints)  # shares more with the first request,
     assert again.strategy == "auto" and segments[0] == ids[:shared]  # but the workflow's prefix stays one
     short, segments = run("Another document.\n\nQ2?", reader_hints)
     assert short.strategy == "text" and len(segments[0]) == header
     other, segments = run(doc + ": y\n\nQ9?", AgentHintsBody(workflow_id="w2"))  # another workflow's first request
     assert other.strategy == "auto" and len(segments[0]) == shared  # begins with the prefix w shared: forks it
+    assert other.options["keep_prefix_s"] == KEEP_KNOWN_S  # read across workflows: kept for the next reader
     unhinted, segments = run(doc + " and more.\n\nQ3?")
     assert unhinted.strategy == "auto" and len(segments[0]) == shared
+    assert unhinted.options["keep_prefix_s"] == KEEP_KNOWN_S
     unshared, segments = run(doc[:-2] + "\n\nQ4?")  # stops short of the prefix shared
     assert unshared.strategy == "text" and len(segments[0]) == header
     got = request_run(builder, "other-model", None, [], doc + ": x\n\nQ1?", sampling, None, remembered, "m")

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -43,6 +44,26 @@ struct WorkItems {  // (row, first key) of each chunk of each context
   std::vector<int64_t> row, first;
   std::vector<int64_t> begin;  // [N + 1]: row n's items are [begin[n], begin[n + 1])
 };
+
+// The order the items run in: items over the same keys (rows whose contexts begin with the same
+// cached blocks: readers of one document) one after the other, so that the chunk's K and V (256
+// keys: 192 kB at 3 kv heads of 64 bf16) come from cache for all but the first of them instead of
+// from memory for each. Same keys: the same first and last slot and length (a guess that can only
+// cost cache hits, never change a result: every item computes alone, and each row's items merge in
+// chunk order whatever order they ran in). Otherwise in row order.
+std::vector<int64_t> run_order(const WorkItems& items, const int64_t* slots, const int64_t* lengths, int64_t ctx) {
+  const int64_t n = int64_t(items.row.size());
+  std::vector<int64_t> order(n);
+  std::vector<std::array<int64_t, 3>> key(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* s = slots + items.row[i] * ctx;
+    const int64_t first = items.first[i], last = std::min(first + kChunk, lengths[items.row[i]]);
+    key[i] = {s[first], s[last - 1], last - first};
+    order[i] = i;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key[a] < key[b]; });
+  return order;
+}
 
 WorkItems chunk_contexts(const int64_t* lengths, int64_t rows) {
   WorkItems items;
@@ -168,12 +189,13 @@ std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k
   const int64_t* lp = lengths.data_ptr<int64_t>();
   const WorkItems items = chunk_contexts(lp, rows);
   const int64_t n_items = int64_t(items.row.size());
+  const std::vector<int64_t> order = run_order(items, sp, lp, ctx);
   std::vector<float> stats(n_items * heads * 2), acc(n_items * heads * D);  // [items, 2, H], [items, H, D]
-  at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {  // contiguous runs of `order` per thread
     std::vector<float> scores(heads * kChunk);
     std::vector<T> probs(heads * kChunk + 2);
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t n = items.row[i], first = items.first[i];
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t i = order[p], n = items.row[i], first = items.first[i];
       const ChunkOut out{stats.data() + i * heads * 2, stats.data() + i * heads * 2 + heads, acc.data() + i * heads * D};
       attend_item<D, T>(qp + n * heads * D, kp, vp, sp + n * ctx, first, std::min(first + kChunk, lp[n]), heads,
                      kv_heads, scores, probs, out);
