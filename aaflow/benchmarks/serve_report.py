@@ -10,6 +10,9 @@ p99 <= vLLM's; the HTTP endpoint (`--http`) within 15% of `af.submit`'s throughp
 deployment. Runs of fewer than three repeats decide nothing. The vLLM column names the
 configuration the run kept (mode and KV block size, e.g. `vllm-graph-b32`).
 
+A run with several replicas whose vLLM side tried fewer router policies than all of them decides
+nothing either ('indicative').
+
 Only runs whose vLLM side was tuned (`vllm_engines` in the JSON: block sizes and modes tried, the
 fastest kept) are in the table: a run against vLLM's default 128-token blocks compared against a
 setting a performance-minded user changes (docs/RESULTS-history.md keeps those figures).
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from aaflow.benchmarks.vllm_fleet import ROUTER_POLICIES
 
 BEGIN, END = "<!-- SERVE:BEGIN (aaflow report) -->", "<!-- SERVE:END -->"
 BURST_TARGET, PRESSURED_TARGET, GRAPH_AWARE_TARGET, HTTP_TARGET, SKEWED_TARGET = 1.3, 1.5, 1.2, 0.85, 1.5
@@ -36,6 +41,9 @@ def verdict(shape: str, settings: dict, row: dict, graph_aware: bool = False) ->
         return "n/a (no vLLM side)"
     if settings.get("repeats", 0) < 3:
         return f"indicative ({settings.get('repeats')} repeat(s): medians of 3 decide)"
+    policies = settings.get("router_policies") or ROUTER_POLICIES
+    if settings.get("replicas", 1) > 1 and ratio is not None and set(policies) < set(ROUTER_POLICIES):
+        return f"indicative (router policies tried: {', '.join(policies)} of {len(ROUTER_POLICIES)})"
     if ratio is None:
         return f"HTTP {http:.2f}x af.submit: " + ("met" if http >= HTTP_TARGET else f"missed (< {HTTP_TARGET}x)")
     p50, p99 = row.get("latency_p50_s_ratio"), row.get("latency_p99_s_ratio")

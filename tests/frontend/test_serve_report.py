@@ -30,6 +30,10 @@ def test_verdicts_follow_the_targets_of_each_shape():
     assert verdict("burst", {**BURST, "repeats": 1}, _row(1.6)).startswith("indicative")
     assert verdict("burst", BURST, {"http_throughput_ratio": 0.9}) == "HTTP 0.90x af.submit: met"
     assert verdict("burst", BURST, {"http_throughput_ratio": 0.8}) == "HTTP 0.80x af.submit: missed (< 0.85x)"
+    two = {**BURST, "replicas": 2}
+    assert verdict("burst", two, _row(1.35)) == "met"  # every router policy tried (the default)
+    assert verdict("burst", {**two, "router_policies": ["consistent_hash"]}, _row(1.37)) == (
+        "indicative (router policies tried: consistent_hash of 4)")
 
 
 def test_the_table_is_written_between_its_markers(tmp_path):
