@@ -224,3 +224,17 @@ def test_a_request_becomes_one_rendered_agent_and_hints_share_the_common_token_p
     assert got.strategy == "text"  # a prefix is shared only between requests of one model
     with pytest.raises(af.WorkflowError):
         af.Workflow("x").agent("a", "m", ["hi"], history=[{"role": "tool", "content": "x"}])
+
+
+def test_serve_passes_its_prefix_fetch_to_every_run_and_refuses_an_unknown_one(capsys, monkeypatch):
+    import aaflow.cli_deploy as cli_deploy
+    from aaflow.cli import main
+
+    seen = {}
+    monkeypatch.setattr(cli_deploy, "serve", lambda address, **kwargs: seen.update(kwargs))
+    assert main(["serve", "--address", "127.0.0.1:1", "--prefix-fetch", "compute"]) == 0
+    assert seen["prefix_fetch"] == "compute"
+    assert main(["serve", "--address", "127.0.0.1:1"]) == 0 and seen["prefix_fetch"] == "auto"
+    with pytest.raises(SystemExit):
+        main(["serve", "--prefix-fetch", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
