@@ -37,7 +37,7 @@ import argparse
 from aaflow.common.progress import Stages
 from aaflow.benchmarks.common import add_dtype_argument, log, machine_facts, wait_until_quiet, write_json
 from aaflow.benchmarks.serve_load import run_threads
-from aaflow.benchmarks.serve_shapes import arrivals, documents, serve_workflows, shape_key, warm_up_load
+from aaflow.benchmarks.serve_shapes import arrivals, loads_and_shapes, shape_key, warm_up_load
 from aaflow.benchmarks.serve_sides import aaflow_load, compare, medians, vllm_load
 from aaflow.benchmarks.vllm_config import BLOCK_SIZES, GRAPH_CLIENTS, MODES, code_commit
 from aaflow.benchmarks.vllm_fleet import ROUTER_POLICIES
@@ -168,18 +168,6 @@ def _clients(args, head, ignore_eos: bool):
             "max_tokens": args.max_tokens, "ignore_eos": ignore_eos, "hot": args.hot_documents}
     return lambda _cluster, _workflows, offsets, strategy, sample: run_processes(
         head, load, offsets, strategy, args.processes, sample)
-
-
-def loads_and_shapes(args) -> tuple[dict, list]:
-    """The workflows per end-of-sequence mode ({ignore_eos: workflows}) and the shapes (name,
-    Poisson rate or None for the burst) that `args` ask for."""
-    docs = documents(args.documents, args.doc_tokens)
-    eos_modes = [True, False] if args.both_eos else [True]
-    skew = f"skewed ({args.hot_documents} hot) " if args.hot_documents else ""
-    shapes = [(f"{skew}burst", None)] + [(f"{skew}poisson-{r:g}/s", r) for r in args.rates]
-    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos, args.hot_documents)
-             for ignore_eos in eos_modes}
-    return loads, shapes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -63,7 +63,7 @@ def run_netns(args, report: dict) -> dict:
 
 def inside(settings: dict) -> dict:
     """The measurements, inside host 0 of the testbed (its layout in $AAFLOW_NETNS_LAYOUT)."""
-    from aaflow.benchmarks.serve_bench import loads_and_shapes
+    from aaflow.benchmarks.serve_shapes import loads_and_shapes
     from aaflow.benchmarks.serve_replicas import tune_fleet
     from aaflow.cluster.netns_layout import Layout, set_rate
     from aaflow.engine.kv_budget import default_kv_cache_bytes, parse_bytes

@@ -74,3 +74,15 @@ def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (`q` in 0..1) of a non-empty list."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, int(-(-q * len(ordered) // 1)) - 1))]
+
+
+def loads_and_shapes(args) -> tuple[dict, list]:
+    """The workflows per end-of-sequence mode ({ignore_eos: workflows}) and the shapes (name,
+    Poisson rate or None for the burst) that `args` ask for."""
+    docs = documents(args.documents, args.doc_tokens)
+    eos_modes = [True, False] if args.both_eos else [True]
+    skew = f"skewed ({args.hot_documents} hot) " if args.hot_documents else ""
+    shapes = [(f"{skew}burst", None)] + [(f"{skew}poisson-{r:g}/s", r) for r in args.rates]
+    loads = {ignore_eos: serve_workflows(args.workflows, docs, args.max_tokens, ignore_eos, args.hot_documents)
+             for ignore_eos in eos_modes}
+    return loads, shapes
