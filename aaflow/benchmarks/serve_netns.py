@@ -53,10 +53,11 @@ def run_netns(args, report: dict) -> dict:
         return {**report, "skipped": why}
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     settings.update(out=os.path.abspath(args.out), report=report)
-    profile = Path(tempfile.mkdtemp(prefix="aaflow-netns-profile-")) / "deployment.yaml"
-    with NetnsTestbed(hosts=args.replicas, rate_mbit=None, node_cpus=1, object_store_bytes=1 << 30,
-                      env={PROFILE_ENV: str(profile)}) as testbed:
-        drive_inside(testbed, "aaflow.benchmarks.serve_netns", settings)
+    with tempfile.TemporaryDirectory(prefix="aaflow-netns-profile-") as folder:
+        profile = Path(folder) / "deployment.yaml"  # the profile the deployment plans with, per rate
+        with NetnsTestbed(hosts=args.replicas, rate_mbit=None, node_cpus=1, object_store_bytes=1 << 30,
+                          env={PROFILE_ENV: str(profile)}) as testbed:
+            drive_inside(testbed, "aaflow.benchmarks.serve_netns", settings)
     with open(settings["out"]) as f:
         return json.load(f)
 
