@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aaflow.common.errors import InvalidArgumentError, WorkflowError
 from aaflow.runtime.results import RunResult
-from aaflow.runtime.run_options import PREFIX_FETCH
+from aaflow.runtime.run_options import check_prefix_fetch
 from aaflow.common.strategies import STRATEGIES
 from aaflow.workflow.graph import Workflow
 from aaflow.cluster.remote_runs import RemoteRunHandle
@@ -64,8 +64,7 @@ def start(workflow, cluster, strategy: str = "auto", chunk_tokens: int = 16, cal
     finite = isinstance(keep_prefix_s, (int, float)) and 0 <= keep_prefix_s < float("inf")
     if keep_prefix_s is not None and not finite:
         raise InvalidArgumentError(f"keep_prefix_s must be a finite number of seconds >= 0, got {keep_prefix_s!r}")
-    if prefix_fetch not in PREFIX_FETCH:
-        raise InvalidArgumentError(f"prefix_fetch must be one of {', '.join(PREFIX_FETCH)}, got {prefix_fetch!r}")
+    check_prefix_fetch(prefix_fetch)
     options = dict(chunk_tokens=chunk_tokens, call_timeout_s=call_timeout_s, transport=transport, plan=plan,
                    lend_cores=lend_cores, timeout_s=timeout_s, keep_prefix_s=keep_prefix_s,
                    prefix_fetch=prefix_fetch)

@@ -117,7 +117,8 @@ class HttpEndpoint:
     (as a user runs it, with `serve_args` added), on a free loopback port; `clients(ignore_eos)` runs
     a load through it; `close()` stops it."""
 
-    def __init__(self, head, model: str = "smollm2", timeout_s: float = 120.0, serve_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, head, model: str = "smollm2", timeout_s: float = 120.0,
+                 serve_args: tuple[str, ...] = ()) -> None:
         import subprocess
         import sys
 
@@ -126,8 +127,8 @@ class HttpEndpoint:
         self.model, port = model, free_ports(1)[0]
         self.url = f"http://127.0.0.1:{port}/v1"
         self.proc = subprocess.Popen([sys.executable, "-m", "aaflow.cli", "serve", "--address", head.address,
-                                      "--port", str(port), *serve_args], env=head.env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                                      "--port", str(port), *serve_args], env=head.env, cwd=REPO,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_until_serving(self.proc, port, timeout_s)
         except RuntimeError:

@@ -189,11 +189,12 @@ class Deployment:
             self.base = calibrate(self.cluster, quick=True, transports=(self.transport,), progress=log)
         profile = calibrate_links(self.cluster, self.base, (self.transport,), LINK_TOKENS, progress=log)
         profile.save(self.profile_path)
-        self._stop()
+        self.close()
         self._start()
         return {self.transport: asdict(profile.links[self.transport])}
 
-    def _stop(self) -> None:
+    def close(self) -> None:
+        """Stop the endpoints and take the deployment down (the Ray nodes stay)."""
         import aaflow as af
 
         for endpoint in self.endpoints.values():
@@ -203,9 +204,6 @@ class Deployment:
             self.cluster.shutdown()
             af.down(self.layout.ray_address)
             self.cluster = None
-
-    def close(self) -> None:
-        self._stop()
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def run_replicas(args, report: dict, loads: dict, shapes: list) -> None:
 
                 def load(side: str) -> dict:
                     if side == "aaflow":
-                        return aaflow_http_load(cluster, workflows, offsets, args.strategy, endpoint.clients(ignore_eos))
+                        return aaflow_http_load(cluster, workflows, offsets, args.strategy,
+                                                endpoint.clients(ignore_eos))
                     label, policy = side.split("@")
                     return fleet_load(fleets[label], policy, workflows, offsets, ignore_eos)
 

@@ -65,8 +65,8 @@ class VllmFleet:
         self.workers = [f"http://{address}:{p}" for (_, address), p in zip(places, self.ports)]
         try:
             for worker_cores, port, (netns, address) in zip(cores, self.ports, places):
-                argv = [str(VLLM_PYTHON), "-m", SERVER_MODULE, "--model", model_path, "--served-model-name", SERVED_NAME,
-                        "--host", address, "--port", str(port), "--dtype", dtype, "--block-size",
+                argv = [str(VLLM_PYTHON), "-m", SERVER_MODULE, "--model", model_path,
+                        "--served-model-name", SERVED_NAME, "--host", address, "--port", str(port), "--dtype", dtype, "--block-size",
                         str(config.block_size), "--enable-prefix-caching", "--max-model-len", "8192", "--seed", "0",
                         "--kv-cache-memory-bytes", str(int(kv_bytes)), "--scheduling-policy", config.scheduling,
                         "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aaflow.common.errors import InvalidArgumentError
+
 PREFIX_FETCH = ("auto", "move", "compute")
+
+
+def check_prefix_fetch(value) -> None:
+    """`InvalidArgumentError` unless `value` is one of `PREFIX_FETCH`."""
+    if value not in PREFIX_FETCH:
+        raise InvalidArgumentError(f"prefix_fetch must be one of {', '.join(PREFIX_FETCH)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -32,5 +40,4 @@ class RunOptions:
         object.__setattr__(self, "chunk_tokens", max(1, int(self.chunk_tokens)))
         if not self.call_timeout_s > 0:
             raise ValueError(f"call_timeout_s must be > 0, got {self.call_timeout_s!r}")
-        if self.prefix_fetch not in PREFIX_FETCH:
-            raise ValueError(f"prefix_fetch must be one of {', '.join(PREFIX_FETCH)}, got {self.prefix_fetch!r}")
+        check_prefix_fetch(self.prefix_fetch)

@@ -52,7 +52,8 @@ def serve(address: str | None = None, host: str = DEFAULT_HOST, port: int = DEFA
         print(f"aaflow serve: models {', '.join(sorted(cluster.models))} at http://{host}:{port}/v1 "
               f"(OpenAI-compatible; /metrics for Prometheus; "
               f"{'API key required' if api_key else 'no API key'})", flush=True)
-        uvicorn.run(serving_app(cluster, default_max_tokens, api_key, prefix_fetch), host=host, port=port, log_level="warning")
+        uvicorn.run(serving_app(cluster, default_max_tokens, api_key, prefix_fetch), host=host, port=port,
+                    log_level="warning")
     finally:
         cluster.shutdown()
 

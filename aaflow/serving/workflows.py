@@ -15,8 +15,8 @@ common with the reference, short of its own last token, if that reaches `MIN_SHA
 beyond the chat header: that prefix is its static prefix, which the scheduler materializes once and
 forks for every agent that reads it, moves to another replica that needs it, keeps while agents
 that read it are pending and, with `ttl_s`, that long after (`keep_prefix_s`; a prefix other
-workflows shared before, `KEEP_KNOWN_S` after, while no agent waits for the KV room it takes). The reference is then
-cut to the prefix shared, so that the workflow's later requests share that same prefix (one KV
+workflows shared before, `KEEP_KNOWN_S` after, while no agent waits for the KV room it takes). The
+reference is then cut to the prefix shared, so that the workflow's later requests share that same prefix (one KV
 object for them all) or a shorter one. A prefix so shared is remembered across workflows
 (`aaflow.serving.known_prefixes`): any other request whose prompt begins with it (another
 workflow's first request, a request without hints) shares it too. Such requests run under
